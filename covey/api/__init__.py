@@ -1,0 +1,1 @@
+"""HTTP and WebSocket routes, one small router per resource."""

@@ -1,0 +1,310 @@
+"""Agents, their backlog, heartbeats, recording, and the agent switch."""
+
+from __future__ import annotations
+
+from typing import Any
+from uuid import UUID, uuid4
+
+import asyncpg
+from fastapi import APIRouter, Query
+
+from covey.api.deps import AnyRole, Killer, Manage, Orch
+from covey.api.models import (
+    AcceptedTaskOut,
+    AgentCreatedOut,
+    AgentIn,
+    AgentOut,
+    HeartbeatIn,
+    HeartbeatOut,
+    KillOut,
+    RecordingOut,
+    ResumeOut,
+    SandboxOut,
+    SessionOut,
+    TaskDetailOut,
+    TaskIn,
+    TaskOut,
+    TransitionOut,
+    WakeOut,
+)
+from covey.db import Connection, fetch_one
+from covey.errors import ApiError, not_found, stopped
+from covey.orchestrator import KillReport, Orchestrator, ResumeReport, WakeResult, audit
+from covey.security import new_token, token_hash
+
+router = APIRouter(prefix="/api/v1/agents", tags=["agents"])
+
+AGENT_COLUMNS = """
+    a.id, a.org_id, a.slug, a.display_name, a.owner_id, a.status, a.killed, a.kill_origin,
+    o.fleet_killed, a.warm_sandbox, a.budget_usd::float8 AS budget_usd, a.max_turns, a.model,
+    a.created_at
+"""
+TASK_COLUMNS = """
+    id, agent_id, title, body, state, priority, origin, daemon_retries, result, created_at,
+    updated_at
+"""
+
+
+async def agent_of_org(orch: Orchestrator, org_id: UUID, agent_id: UUID) -> AgentOut:
+    """Another organisation's agent does not exist, as far as this caller can tell (404)."""
+    row = await orch.pool.fetchrow(
+        f"SELECT {AGENT_COLUMNS} FROM agents a JOIN organizations o ON o.id=a.org_id"
+        " WHERE a.id=$1 AND a.org_id=$2",
+        agent_id, org_id,
+    )
+    if row is None:
+        raise not_found("agent")
+    return AgentOut(**dict(row))
+
+
+def kill_out(report: KillReport) -> KillOut:
+    return KillOut(
+        already_killed=report.already_killed,
+        agents_stopped=report.agents,
+        sessions_cancelled=report.sessions_cancelled,
+        tasks_requeued=report.tasks_requeued,
+        evicted_sandboxes=report.evicted_sandboxes,
+    )
+
+
+def resume_out(report: ResumeReport) -> ResumeOut:
+    return ResumeOut(
+        changed=report.changed,
+        agents_released=report.agents_released,
+        agents_woken=report.agents_woken,
+        held_by_fleet=report.held_by_fleet,
+    )
+
+
+def wake_out(result: WakeResult) -> WakeOut:
+    if result.outcome == "refused":
+        raise stopped()
+    return WakeOut(outcome=result.outcome, session_id=result.session_id)  # type: ignore[arg-type]
+
+
+async def insert_task(conn: Connection, org_id: UUID, agent_id: UUID, title: str, body: str,
+                      priority: int, origin: str) -> dict[str, Any]:
+    # The table's trigger NOTIFYs covey_wake at commit: the wake happens through it.
+    row = await fetch_one(
+        conn,
+        f"INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, priority, origin)"
+        f" VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING {TASK_COLUMNS}",
+        uuid4(), org_id, agent_id, title, body, priority, origin,
+    )
+    await conn.execute(
+        "INSERT INTO task_transitions (task_id, from_state, to_state, note)"
+        " VALUES ($1, NULL, 'open', $2)",
+        row["id"], f"created by {origin}",
+    )
+    return dict(row)
+
+
+async def agent_is_stopped(conn: Connection, agent_id: UUID) -> bool:
+    return bool(await conn.fetchval(
+        "SELECT a.killed OR o.fleet_killed FROM agents a JOIN organizations o ON o.id=a.org_id"
+        " WHERE a.id=$1 FOR SHARE OF a, o",
+        agent_id,
+    ))
+
+
+@router.get("", response_model=list[AgentOut])
+async def list_agents(who: AnyRole, orch: Orch) -> list[AgentOut]:
+    rows = await orch.pool.fetch(
+        f"SELECT {AGENT_COLUMNS} FROM agents a JOIN organizations o ON o.id=a.org_id"
+        " WHERE a.org_id=$1 ORDER BY a.created_at, a.id",
+        who.org_id,
+    )
+    return [AgentOut(**dict(r)) for r in rows]
+
+
+@router.post("", response_model=AgentCreatedOut, status_code=201)
+async def create_agent(body: AgentIn, who: Manage, orch: Orch) -> AgentCreatedOut:
+    """Create an agent. One created while the fleet stop stands does not run until resume."""
+    agent_id = uuid4()
+    trigger = new_token("cvtr")
+    owner = body.owner_id or who.human_id
+    async with orch.pool.acquire() as conn, conn.transaction():
+        if not await conn.fetchval("SELECT 1 FROM humans WHERE id=$1 AND org_id=$2",
+                                   owner, who.org_id):
+            raise ApiError(422, "Unknown owner", "owner_id must be a human of your organisation.")
+        try:
+            await conn.execute(
+                "INSERT INTO agents (id, org_id, slug, display_name, owner_id, warm_sandbox,"
+                " budget_usd, max_turns, model, trigger_token_hash)"
+                " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+                agent_id, who.org_id, body.slug, body.display_name, owner, body.warm_sandbox,
+                body.budget_usd, body.max_turns, body.model, token_hash(trigger),
+            )
+        except asyncpg.UniqueViolationError:
+            raise ApiError(409, "An agent with that slug exists",
+                           "Slugs are unique within an organisation; pick another.") from None
+        for hb in body.heartbeats:
+            await conn.execute(
+                "INSERT INTO agent_heartbeats (agent_id, name, task_body, every_seconds)"
+                " VALUES ($1, $2, $3, $4)",
+                agent_id, hb.name, hb.task_body, hb.every_seconds,
+            )
+        await audit(conn, who.org_id, who.human_id, "agent.create", str(agent_id),
+                    {"slug": body.slug})
+    agent = await agent_of_org(orch, who.org_id, agent_id)
+    return AgentCreatedOut(**agent.model_dump(), trigger_token=trigger)
+
+
+@router.get("/{agent_id}", response_model=AgentOut)
+async def get_agent(agent_id: UUID, who: AnyRole, orch: Orch) -> AgentOut:
+    return await agent_of_org(orch, who.org_id, agent_id)
+
+
+@router.get("/{agent_id}/backlog", response_model=list[TaskOut])
+async def backlog(agent_id: UUID, who: AnyRole, orch: Orch,
+                  state: str | None = Query(default=None, description="only tasks in this state")
+                  ) -> list[TaskOut]:
+    await agent_of_org(orch, who.org_id, agent_id)
+    rows = await orch.pool.fetch(
+        f"SELECT {TASK_COLUMNS} FROM backlog_tasks WHERE agent_id=$1"
+        " AND ($2::text IS NULL OR state=$2) ORDER BY created_at, id",
+        agent_id, state,
+    )
+    return [TaskOut(**dict(r)) for r in rows]
+
+
+@router.get("/{agent_id}/tasks/{task_id}", response_model=TaskDetailOut)
+async def task_detail(agent_id: UUID, task_id: UUID, who: AnyRole, orch: Orch
+                      ) -> TaskDetailOut:
+    await agent_of_org(orch, who.org_id, agent_id)
+    row = await orch.pool.fetchrow(
+        f"SELECT {TASK_COLUMNS} FROM backlog_tasks WHERE id=$1 AND agent_id=$2",
+        task_id, agent_id,
+    )
+    if row is None:
+        raise not_found("task")
+    transitions = await orch.pool.fetch(
+        "SELECT from_state, to_state, note, at FROM task_transitions WHERE task_id=$1"
+        " ORDER BY id",
+        task_id,
+    )
+    return TaskDetailOut(**dict(row),
+                         transitions=[TransitionOut(**dict(t)) for t in transitions])
+
+
+@router.post("/{agent_id}/tasks", response_model=TaskOut, status_code=201)
+async def create_task(agent_id: UUID, body: TaskIn, who: Manage, orch: Orch) -> TaskOut:
+    """Add a task to the backlog. It wakes the agent unless a switch holds it; then it
+    waits, open, until resume."""
+    await agent_of_org(orch, who.org_id, agent_id)
+    async with orch.pool.acquire() as conn, conn.transaction():
+        task = await insert_task(conn, who.org_id, agent_id, body.title, body.body,
+                                 body.priority, "api")
+    return TaskOut(**task)
+
+
+@router.post("/{agent_id}/wake", response_model=WakeOut, status_code=202)
+async def wake(agent_id: UUID, who: Manage, orch: Orch) -> WakeOut:
+    await agent_of_org(orch, who.org_id, agent_id)
+    return wake_out(await orch.wake(agent_id, "manual"))
+
+
+@router.get("/{agent_id}/heartbeats", response_model=list[HeartbeatOut])
+async def heartbeats(agent_id: UUID, who: AnyRole, orch: Orch) -> list[HeartbeatOut]:
+    await agent_of_org(orch, who.org_id, agent_id)
+    rows = await orch.pool.fetch(
+        "SELECT name, task_body, every_seconds, last_fired_at FROM agent_heartbeats"
+        " WHERE agent_id=$1 ORDER BY name",
+        agent_id,
+    )
+    return [HeartbeatOut(**dict(r)) for r in rows]
+
+
+@router.post("/{agent_id}/heartbeats", response_model=HeartbeatOut, status_code=201)
+async def add_heartbeat(agent_id: UUID, body: HeartbeatIn, who: Manage, orch: Orch
+                        ) -> HeartbeatOut:
+    await agent_of_org(orch, who.org_id, agent_id)
+    try:
+        row = await fetch_one(
+            orch.pool,
+            "INSERT INTO agent_heartbeats (agent_id, name, task_body, every_seconds)"
+            " VALUES ($1, $2, $3, $4) RETURNING name, task_body, every_seconds, last_fired_at",
+            agent_id, body.name, body.task_body, body.every_seconds,
+        )
+    except asyncpg.UniqueViolationError:
+        raise ApiError(409, "A heartbeat of that name exists", "Pick another name.") from None
+    return HeartbeatOut(**dict(row))
+
+
+@router.post("/{agent_id}/heartbeats/{name}/fire", response_model=AcceptedTaskOut,
+             status_code=202, responses={409: {"description": "Agent or fleet is stopped"}})
+async def fire_heartbeat(agent_id: UUID, name: str, who: Manage, orch: Orch
+                         ) -> AcceptedTaskOut:
+    await agent_of_org(orch, who.org_id, agent_id)
+    async with orch.pool.acquire() as conn, conn.transaction():
+        hb = await conn.fetchrow(
+            "SELECT name, task_body FROM agent_heartbeats WHERE agent_id=$1 AND name=$2"
+            " FOR UPDATE",
+            agent_id, name,
+        )
+        if hb is None:
+            raise not_found("heartbeat")
+        if await agent_is_stopped(conn, agent_id):
+            raise stopped()
+        await conn.execute(
+            "UPDATE agent_heartbeats SET last_fired_at=now() WHERE agent_id=$1 AND name=$2",
+            agent_id, name,
+        )
+        task = await insert_task(conn, who.org_id, agent_id, f"heartbeat: {name}",
+                                 hb["task_body"], 0, "heartbeat")
+    result = await orch.wake(agent_id, "heartbeat")
+    return AcceptedTaskOut(task=TaskOut(**task), wake=wake_out(result))
+
+
+@router.get("/{agent_id}/recording", response_model=list[RecordingOut])
+async def recording(agent_id: UUID, who: AnyRole, orch: Orch,
+                    after: int = Query(default=0, ge=0, description="only events after this id"),
+                    ) -> list[RecordingOut]:
+    await agent_of_org(orch, who.org_id, agent_id)
+    rows = await orch.pool.fetch(
+        "SELECT id, session_id, kind, status, detail, at FROM recording_events"
+        " WHERE agent_id=$1 AND id > $2 ORDER BY id LIMIT 1000",
+        agent_id, after,
+    )
+    return [RecordingOut(**dict(r)) for r in rows]
+
+
+@router.get("/{agent_id}/sessions", response_model=list[SessionOut])
+async def sessions(agent_id: UUID, who: AnyRole, orch: Orch) -> list[SessionOut]:
+    await agent_of_org(orch, who.org_id, agent_id)
+    rows = await orch.pool.fetch(
+        "SELECT id, task_id, sandbox_id, node, state, started_at, ended_at, stop_layer,"
+        " stop_reason FROM sessions WHERE agent_id=$1 ORDER BY started_at, id",
+        agent_id,
+    )
+    return [SessionOut(**dict(r)) for r in rows]
+
+
+@router.get("/{agent_id}/sandboxes", response_model=list[SandboxOut])
+async def sandboxes(agent_id: UUID, who: AnyRole, orch: Orch) -> list[SandboxOut]:
+    """Sandboxes with their state and their daemon's exit code (3 = obeyed a kill)."""
+    await agent_of_org(orch, who.org_id, agent_id)
+    rows = await orch.pool.fetch(
+        "SELECT id, backend, handle, state, exit_code, created_at, ended_at FROM sandboxes"
+        " WHERE agent_id=$1 ORDER BY created_at, id",
+        agent_id,
+    )
+    return [SandboxOut(**dict(r)) for r in rows]
+
+
+@router.post("/{agent_id}/kill", response_model=KillOut)
+async def kill(agent_id: UUID, who: Killer, orch: Orch) -> KillOut:
+    """The agent switch. Idempotent: a second kill changes nothing and succeeds."""
+    report = await orch.kill_agent(who.org_id, agent_id, who.human_id)
+    if report is None:
+        raise not_found("agent")
+    return kill_out(report)
+
+
+@router.post("/{agent_id}/resume", response_model=ResumeOut)
+async def resume(agent_id: UUID, who: Killer, orch: Orch) -> ResumeOut:
+    """Clear the agent's own flag. While the fleet stop stands, the agent stays held."""
+    report = await orch.resume_agent(who.org_id, agent_id, who.human_id)
+    if report is None:
+        raise not_found("agent")
+    return resume_out(report)

@@ -1,0 +1,105 @@
+"""Sign-in with a session cookie, API tokens for automation, members and organisations."""
+
+from __future__ import annotations
+
+from uuid import UUID, uuid4
+
+import asyncpg
+from fastapi import APIRouter, Response, status
+
+from covey.api.deps import SESSION_COOKIE, Orch, OrgAdmin, PlatformAdmin, Signed
+from covey.api.models import LoginIn, MemberIn, MeOut, OrgIn, OrgOut, TokenIn, TokenOut
+from covey.db import Connection
+from covey.errors import ApiError
+from covey.orchestrator import audit
+from covey.security import hash_password, new_token, token_hash, verify_password
+
+router = APIRouter(prefix="/api/v1", tags=["auth"])
+
+SESSION_HOURS = 12
+
+
+@router.post("/auth/login", response_model=MeOut)
+async def login(body: LoginIn, response: Response, orch: Orch) -> MeOut:
+    row = await orch.pool.fetchrow(
+        "SELECT id, org_id, email, role, password_hash FROM humans WHERE email=$1",
+        body.email.lower(),
+    )
+    if row is None or not verify_password(row["password_hash"], body.password):
+        raise ApiError(401, "Wrong email or password", "Check both; passwords are case-sensitive.")
+    token = new_token("cvs")
+    await orch.pool.execute(
+        "INSERT INTO web_sessions (token_hash, human_id, expires_at)"
+        " VALUES ($1, $2, now() + make_interval(hours => $3))",
+        token_hash(token), row["id"], SESSION_HOURS,
+    )
+    response.set_cookie(SESSION_COOKIE, token, httponly=True, samesite="strict",
+                        max_age=SESSION_HOURS * 3600)
+    return MeOut(id=row["id"], org_id=row["org_id"], email=row["email"], role=row["role"])
+
+
+@router.post("/auth/logout", status_code=status.HTTP_204_NO_CONTENT)
+async def logout(who: Signed, response: Response, orch: Orch) -> None:
+    await orch.pool.execute("DELETE FROM web_sessions WHERE human_id=$1", who.human_id)
+    response.delete_cookie(SESSION_COOKIE)
+
+
+@router.get("/auth/me", response_model=MeOut)
+async def me(who: Signed) -> MeOut:
+    return MeOut(id=who.human_id, org_id=who.org_id, email=who.email, role=who.role)
+
+
+@router.post("/auth/tokens", response_model=TokenOut, status_code=201)
+async def create_token(body: TokenIn, who: Signed, orch: Orch) -> TokenOut:
+    """An API token for automation, acting as the signed-in human. Shown once."""
+    token = new_token("cvt")
+    await orch.pool.execute(
+        "INSERT INTO api_tokens (token_hash, human_id, name) VALUES ($1, $2, $3)",
+        token_hash(token), who.human_id, body.name,
+    )
+    return TokenOut(name=body.name, token=token)
+
+
+async def insert_human(conn: Connection, org_id: UUID, email: str, password: str,
+                       role: str) -> UUID:
+    human_id = uuid4()
+    try:
+        await conn.execute(
+            "INSERT INTO humans (id, org_id, email, password_hash, role)"
+            " VALUES ($1, $2, $3, $4, $5)",
+            human_id, org_id, email.lower(), hash_password(password), role,
+        )
+    except asyncpg.UniqueViolationError:
+        raise ApiError(409, "That email is already taken",
+                       "Each human has one account; use another email.") from None
+    return human_id
+
+
+@router.post("/members", response_model=MeOut, status_code=201)
+async def add_member(body: MemberIn, who: OrgAdmin, orch: Orch) -> MeOut:
+    async with orch.pool.acquire() as conn, conn.transaction():
+        human_id = await insert_human(conn, who.org_id, body.email, body.password, body.role)
+        await audit(conn, who.org_id, who.human_id, "member.add", str(human_id),
+                    {"role": body.role})
+    return MeOut(id=human_id, org_id=who.org_id, email=body.email.lower(), role=body.role)
+
+
+async def create_org(conn: Connection, name: str, admin_email: str, admin_password: str
+                     ) -> tuple[UUID, UUID]:
+    org_id = uuid4()
+    try:
+        await conn.execute("INSERT INTO organizations (id, name) VALUES ($1, $2)", org_id, name)
+    except asyncpg.UniqueViolationError:
+        raise ApiError(409, "An organisation of that name exists",
+                       "Pick another name.") from None
+    admin_id = await insert_human(conn, org_id, admin_email, admin_password, "org_admin")
+    return org_id, admin_id
+
+
+@router.post("/platform/orgs", response_model=OrgOut, status_code=201)
+async def add_org(body: OrgIn, who: PlatformAdmin, orch: Orch) -> OrgOut:
+    async with orch.pool.acquire() as conn, conn.transaction():
+        org_id, admin_id = await create_org(conn, body.name, body.admin_email,
+                                            body.admin_password)
+        await audit(conn, org_id, who.human_id, "org.create", str(org_id), {"name": body.name})
+    return OrgOut(id=org_id, name=body.name, admin_id=admin_id)

@@ -1,0 +1,223 @@
+"""The control plane's side of the sandbox daemon protocol (DESIGN §2.4).
+
+Envelope: {"type": ..., "payload": {...}}. The daemon dials out with its sandbox's
+short-lived, single-use token and must first say `ready` naming its agent and sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+from uuid import UUID
+
+import structlog
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+
+from covey.hub import DaemonLink, send_to
+from covey.orchestrator import Orchestrator, record
+from covey.security import token_hash
+
+log = structlog.get_logger(__name__)
+router = APIRouter()
+
+CLOSE_UNAUTHORIZED = 4401
+CLOSE_FORBIDDEN = 4403
+CLOSE_PROTOCOL = 4400
+
+
+class ProtocolError(Exception):
+    def __init__(self, error: str, hint: str) -> None:
+        super().__init__(error)
+        self.error = error
+        self.hint = hint
+
+
+def _uuid(payload: dict[str, Any], key: str) -> UUID:
+    try:
+        return UUID(str(payload[key]))
+    except (KeyError, ValueError):
+        raise ProtocolError(f"payload.{key} missing or not a UUID", f"send {key} as a UUID string"
+                            ) from None
+
+
+def parse(text: str) -> tuple[str, dict[str, Any]]:
+    try:
+        message = json.loads(text)
+    except ValueError:
+        raise ProtocolError("Malformed JSON", 'send {"type": ..., "payload": {...}}') from None
+    if not isinstance(message, dict) or not isinstance(message.get("type"), str):
+        raise ProtocolError("Message without a type", 'send {"type": ..., "payload": {...}}')
+    payload = message.get("payload", {})
+    if not isinstance(payload, dict):
+        raise ProtocolError("payload must be an object", 'send "payload": {...}')
+    return message["type"], payload
+
+
+async def _reject(ws: WebSocket, code: int, error: str, hint: str) -> None:
+    await ws.send_text(json.dumps({"type": "error", "payload": {"error": error, "hint": hint}}))
+    await ws.close(code)
+
+
+def _token(ws: WebSocket) -> str | None:
+    header = ws.headers.get("authorization", "")
+    if header.lower().startswith("bearer "):
+        return header[7:].strip()
+    return ws.query_params.get("token")
+
+
+async def _consume_token(orch: Orchestrator, token: str, agent_id: UUID, sandbox_id: UUID
+                         ) -> tuple[int, str, str] | None:
+    """Burn the token if it is valid for exactly this agent and sandbox; else say why.
+    Nothing changes for a bad claim: the rightful daemon can still connect."""
+    consumed = await orch.pool.fetchval(
+        "UPDATE sandboxes SET token_used=true WHERE daemon_token_hash=$1 AND NOT token_used"
+        " AND token_expires_at > now() AND id=$2 AND agent_id=$3 RETURNING id",
+        token_hash(token), sandbox_id, agent_id,
+    )
+    if consumed is not None:
+        return None
+    row = await orch.pool.fetchrow(
+        "SELECT id, agent_id, token_used, token_expires_at <= now() AS expired FROM sandboxes"
+        " WHERE daemon_token_hash=$1",
+        token_hash(token),
+    )
+    if row is None:
+        return CLOSE_UNAUTHORIZED, "Unknown daemon token", "Use COVEY_DAEMON_TOKEN as given."
+    if row["id"] != sandbox_id or row["agent_id"] != agent_id:
+        return (CLOSE_FORBIDDEN, "This token belongs to another sandbox",
+                "A daemon may only speak for the agent and sandbox it was started for.")
+    if row["token_used"]:
+        return (CLOSE_UNAUTHORIZED, "Daemon token already used",
+                "Tokens are single-use; a replayed token is refused.")
+    return CLOSE_UNAUTHORIZED, "Daemon token expired", "The sandbox must connect within its TTL."
+
+
+@router.websocket("/api/daemon/ws")
+async def daemon_ws(ws: WebSocket) -> None:
+    orch: Orchestrator = ws.app.state.orchestrator
+    await ws.accept()
+    token = _token(ws)
+    if not token:
+        await _reject(ws, CLOSE_UNAUTHORIZED, "No daemon token",
+                      "Send 'Authorization: Bearer <COVEY_DAEMON_TOKEN>'.")
+        return
+    try:
+        kind, payload = parse(await ws.receive_text())
+        if kind != "ready":
+            raise ProtocolError("First message must be ready", "send ready with agent_id and "
+                                "sandbox_id")
+        agent_id, sandbox_id = _uuid(payload, "agent_id"), _uuid(payload, "sandbox_id")
+    except ProtocolError as exc:
+        await _reject(ws, CLOSE_PROTOCOL, exc.error, exc.hint)
+        return
+    except WebSocketDisconnect:
+        return
+    refused = await _consume_token(orch, token, agent_id, sandbox_id)
+    if refused is not None:
+        await _reject(ws, *refused)
+        return
+    session = await orch.pool.fetchrow(
+        "SELECT s.id, s.state, a.model, a.budget_usd::float8 AS budget_usd, a.max_turns"
+        " FROM sessions s JOIN agents a ON a.id=s.agent_id WHERE s.sandbox_id=$1",
+        sandbox_id,
+    )
+    if session is None:  # the wake writes both rows in one transaction
+        await _reject(ws, CLOSE_FORBIDDEN, "Sandbox has no session", "Start it through a wake.")
+        return
+    link = DaemonLink(session["id"], agent_id, ws)
+    orch.hub.attach(link)
+    try:
+        await _serve(orch, ws, link, dict(session))
+    except WebSocketDisconnect:
+        pass
+    finally:
+        orch.hub.detach(link.session_id)
+    # Gone without `sleep` or `kill`, the daemon is lost and its work goes back to the
+    # backlog (counted against daemon_retries). A no-op for a session already ended or killed.
+    await orch.session_lost(link.session_id, "control channel closed")
+
+
+async def _serve(orch: Orchestrator, ws: WebSocket, link: DaemonLink,
+                 session: dict[str, Any]) -> None:
+    if session["state"] not in ("starting", "running"):
+        # Killed between the wake and this connection.
+        await orch.hub.send_kill(link.session_id)
+    else:
+        await send_to(link, "inject_config", {
+            "agent_id": str(link.agent_id),
+            "session_id": str(link.session_id),
+            "model": session["model"],
+            "budget_usd": session["budget_usd"],
+            "max_turns": session["max_turns"],
+            "lease_ms": orch.settings.lease_ms,
+        })
+        await send_to(link, "lease", {"ttl_ms": orch.settings.lease_ms})
+        await _assign_next(orch, link)
+    while True:
+        text = await ws.receive_text()
+        try:
+            kind, payload = parse(text)
+            await _handle(orch, link, kind, payload)
+        except ProtocolError as exc:
+            await send_to(link, "error", {"error": exc.error, "hint": exc.hint})
+
+
+async def _assign_next(orch: Orchestrator, link: DaemonLink) -> None:
+    task = await orch.claim_next(link.session_id)
+    if task is not None:
+        await send_to(link, "assign_task", {
+            "task_id": str(task["id"]),
+            "fencing_token": task["claim_token"],
+            "title": task["title"],
+            "body": task["body"],
+            "origin": task["origin"],
+        })
+    elif await orch.end_session(link.session_id):
+        await send_to(link, "sleep", {})
+
+
+async def _handle(orch: Orchestrator, link: DaemonLink, kind: str, payload: dict[str, Any]
+                  ) -> None:
+    if kind == "heartbeat":
+        return
+    if kind == "event":
+        await orch.pool.execute(
+            "INSERT INTO recording_events (agent_id, session_id, kind, status, detail)"
+            " VALUES ($1, $2, $3, $4, $5)",
+            link.agent_id, link.session_id, str(payload.get("kind", "event"))[:64],
+            str(payload.get("status", "info"))[:64], payload.get("detail", {}),
+        )
+        return
+    if kind == "cost":
+        usd, tokens = payload.get("usd"), payload.get("tokens", 0)
+        if not isinstance(usd, int | float) or isinstance(usd, bool) or not math.isfinite(usd) \
+                or usd < 0 or not isinstance(tokens, int) or tokens < 0:
+            raise ProtocolError("cost needs a finite usd >= 0 and integer tokens >= 0",
+                                'send {"usd": 0.0012, "tokens": 340}')
+        async with orch.pool.acquire() as conn, conn.transaction():
+            await conn.execute(
+                "INSERT INTO cost_entries (agent_id, session_id, usd, tokens)"
+                " VALUES ($1, $2, $3, $4)", link.agent_id, link.session_id, usd, tokens)
+            await conn.execute("UPDATE sessions SET cost_usd=cost_usd+$2 WHERE id=$1",
+                               link.session_id, usd)
+        return
+    if kind in ("task_done", "blocked"):
+        task_id = _uuid(payload, "task_id")
+        fencing = payload.get("fencing_token")
+        if not isinstance(fencing, int) or isinstance(fencing, bool):
+            raise ProtocolError("fencing_token missing", "echo the token of assign_task")
+        to_state = "done" if kind == "task_done" else "blocked"
+        text = str(payload.get("result" if kind == "task_done" else "reason", ""))[:100_000]
+        why = await orch.finish_task(link.session_id, task_id, fencing, to_state, text)
+        if why is not None:
+            await send_to(link, "error", {
+                "error": "Result rejected", "hint": why, "task_id": str(task_id)})
+            async with orch.pool.acquire() as conn:
+                await record(conn, link.agent_id, link.session_id, "task", "rejected",
+                             {"task_id": str(task_id), "why": why})
+            return
+        await _assign_next(orch, link)
+        return
+    raise ProtocolError(f"Unknown message type {kind!r}",
+                        "types: heartbeat, event, cost, task_done, blocked")

@@ -1,0 +1,87 @@
+"""Who is asking, and what their role lets them do: declared once per route."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Annotated, Any
+from uuid import UUID
+
+from fastapi import Depends, Request
+
+from covey.errors import ApiError
+from covey.orchestrator import Orchestrator
+from covey.security import token_hash
+
+SESSION_COOKIE = "covey_session"
+
+ORG_ROLES = ("org_admin", "agent_owner", "security", "auditor", "controlling")
+MANAGE = ("org_admin", "agent_owner")
+SECURITY = ("org_admin", "security")
+KILLERS = ("org_admin", "agent_owner", "security")  # manage + security
+
+
+@dataclass(frozen=True)
+class Principal:
+    human_id: UUID
+    org_id: UUID
+    email: str
+    role: str
+
+
+def orchestrator(request: Request) -> Orchestrator:
+    orch: Orchestrator = request.app.state.orchestrator
+    return orch
+
+
+Orch = Annotated[Orchestrator, Depends(orchestrator)]
+
+
+def _credential(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    if header.lower().startswith("bearer "):
+        return header[7:].strip()
+    return request.cookies.get(SESSION_COOKIE)
+
+
+async def current_principal(request: Request, orch: Orch) -> Principal:
+    credential = _credential(request)
+    if not credential:
+        raise ApiError(401, "Not signed in",
+                       "POST /api/v1/auth/login, or send 'Authorization: Bearer <api token>'.")
+    row = await orch.pool.fetchrow(
+        """
+        SELECT h.id, h.org_id, h.email, h.role FROM humans h
+        WHERE h.id = (SELECT human_id FROM web_sessions
+                      WHERE token_hash=$1 AND expires_at > now()
+                      UNION ALL
+                      SELECT human_id FROM api_tokens WHERE token_hash=$1
+                      LIMIT 1)
+        """,
+        token_hash(credential),
+    )
+    if row is None:
+        raise ApiError(401, "Session expired or token unknown",
+                       "Sign in again, or create a new API token.")
+    return Principal(row["id"], row["org_id"], row["email"], row["role"])
+
+
+def require(*roles: str) -> Callable[..., Coroutine[Any, Any, Principal]]:
+    async def dependency(
+        who: Annotated[Principal, Depends(current_principal)],
+    ) -> Principal:
+        if who.role not in roles:
+            raise ApiError(403, "Your role may not do this",
+                           f"Allowed roles: {', '.join(roles)}; you are {who.role}.")
+        return who
+
+    return dependency
+
+
+AnyRole = Annotated[Principal, Depends(require(*ORG_ROLES))]
+Manage = Annotated[Principal, Depends(require(*MANAGE))]
+Security = Annotated[Principal, Depends(require(*SECURITY))]
+Killer = Annotated[Principal, Depends(require(*KILLERS))]
+OrgAdmin = Annotated[Principal, Depends(require("org_admin"))]
+PlatformAdmin = Annotated[Principal, Depends(require("platform_admin"))]
+Signed = Annotated[Principal, Depends(current_principal)]

@@ -1,0 +1,41 @@
+"""The fleet switch: one organisation at once. Security roles only."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from covey.api.agents import kill_out, resume_out
+from covey.api.deps import AnyRole, Orch, Security
+from covey.api.models import FleetOut, KillOut, ResumeOut
+from covey.db import fetch_one
+
+router = APIRouter(prefix="/api/v1/fleet", tags=["fleet"])
+
+
+@router.get("", response_model=FleetOut)
+async def fleet(who: AnyRole, orch: Orch) -> FleetOut:
+    row = await fetch_one(
+        orch.pool,
+        """
+        SELECT o.id AS org_id, o.fleet_killed, o.fleet_killed_at,
+               count(a.id) AS agents,
+               count(a.id) FILTER (WHERE a.killed) AS agents_killed,
+               count(a.id) FILTER (WHERE a.status IN ('working','triggered')) AS agents_working
+        FROM organizations o LEFT JOIN agents a ON a.org_id=o.id
+        WHERE o.id=$1 GROUP BY o.id
+        """,
+        who.org_id,
+    )
+    return FleetOut(**dict(row))
+
+
+@router.post("/kill", response_model=KillOut)
+async def kill_fleet(who: Security, orch: Orch) -> KillOut:
+    """The emergency stop: every agent of the organisation, at once. Idempotent."""
+    return kill_out(await orch.kill_fleet(who.org_id, who.human_id))
+
+
+@router.post("/resume", response_model=ResumeOut)
+async def resume_fleet(who: Security, orch: Orch) -> ResumeOut:
+    """Release the fleet stop. Agents stopped on their own before it stay stopped."""
+    return resume_out(await orch.resume_fleet(who.org_id, who.human_id))

@@ -1,0 +1,228 @@
+"""The control plane as an ASGI app: routes, the LISTEN connection, the scheduler loops."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+from uuid import UUID
+
+import asyncpg
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from covey import __version__, errors
+from covey.api import agents, auth, daemon, fleet, notifications, trigger
+from covey.api.deps import AnyRole
+from covey.config import Settings
+from covey.db import create_pool, embedded_database_url, migrate
+from covey.hub import DaemonHub
+from covey.orchestrator import Orchestrator
+from covey.sandbox import ProcessProvider, Runner
+
+log = structlog.get_logger(__name__)
+
+
+class BodyLimit:
+    """Refuse bodies over the limit with 413 before a handler sees them."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await self._too_large(send)
+
+    async def _too_large(self, send: Send) -> None:
+        body = json.dumps(errors.error_body(
+            "Request body too large", f"Send at most {self.max_bytes} bytes.")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class EventStream:
+    """Status changes from every replica (NOTIFY covey_events) to SSE subscribers here."""
+
+    def __init__(self) -> None:
+        self._subscribers: set[tuple[UUID, asyncio.Queue[str]]] = set()
+
+    def publish(self, raw: str) -> None:
+        try:
+            org = UUID(json.loads(raw)["org_id"])
+        except (ValueError, KeyError, TypeError):
+            return
+        for sub_org, queue in list(self._subscribers):
+            if sub_org == org and queue.qsize() < 1000:
+                queue.put_nowait(raw)
+
+    async def stream(self, org_id: UUID) -> AsyncIterator[str]:
+        queue: asyncio.Queue[str] = asyncio.Queue()
+        entry = (org_id, queue)
+        self._subscribers.add(entry)
+        try:
+            yield ": connected\n\n"
+            while True:
+                try:
+                    raw = await asyncio.wait_for(queue.get(), 15)
+                except TimeoutError:
+                    yield ": keep-alive\n\n"
+                    continue
+                yield f"event: status\ndata: {raw}\n\n"
+        finally:
+            self._subscribers.discard(entry)
+
+
+async def _every(seconds: float, name: str, step: Callable[[], Awaitable[None]]) -> None:
+    """Run step on a fixed cadence; a failure is logged and the loop goes on."""
+    while True:
+        try:
+            await step()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("loop step failed", loop=name, error=str(exc))
+        await asyncio.sleep(seconds)
+
+
+class Listener:
+    """One dedicated connection LISTENing for wakes, kills and events; reconnects if lost."""
+
+    def __init__(self, url: str, orch: Orchestrator, events: EventStream) -> None:
+        self.url = url
+        self.orch = orch
+        self.events = events
+        self.ready = asyncio.Event()
+
+    def _on_notify(self, _conn: Any, _pid: int, channel: str, payload: object) -> None:
+        payload = str(payload)
+        if channel == "covey_wake":
+            with contextlib.suppress(ValueError):
+                self.orch.spawn(self.orch.wake(UUID(payload), "notify"))
+        elif channel == "covey_kill":
+            with contextlib.suppress(ValueError):
+                ids = [UUID(p) for p in payload.split(",") if p]
+                self.orch.spawn(self.orch.deliver_kills(ids))
+        elif channel == "covey_events":
+            self.events.publish(payload)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                conn = await asyncpg.connect(self.url)
+                for channel in ("covey_wake", "covey_kill", "covey_events"):
+                    await conn.add_listener(channel, self._on_notify)
+                closed = asyncio.Event()
+                conn.add_termination_listener(lambda _c: closed.set())
+                self.ready.set()
+                while not closed.is_set():
+                    try:
+                        await asyncio.wait_for(closed.wait(), 5)
+                    except TimeoutError:
+                        # A connection can die without a goodbye: ask it something.
+                        await conn.fetchval("SELECT 1", timeout=5)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("listener connection lost; reconnecting", error=str(exc))
+            self.ready.clear()
+            await asyncio.sleep(0.5)
+
+
+def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080) -> FastAPI:
+    events = EventStream()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        url = settings.database_url
+        if url is None:
+            url = await asyncio.to_thread(embedded_database_url, settings.data_dir)
+        await migrate(url)
+        pool = await create_pool(url)
+        node = f"{socket.gethostname()}:{port}:{uuid.uuid4().hex[:6]}"
+        ws_url = settings.public_ws_url or f"ws://{host}:{port}/api/daemon/ws"
+        orch = Orchestrator(pool, settings, DaemonHub(), node, ws_url)
+        provider = ProcessProvider(settings.daemon_command, settings.data_dir / "logs")
+        orch.runner = Runner(pool, provider, settings.data_dir / "homes", settings.kill_grace_s,
+                             orch.sandbox_exited)
+        app.state.orchestrator = orch
+        listener = Listener(url, orch, events)
+        loops = [
+            asyncio.create_task(listener.run()),
+            asyncio.create_task(_every(settings.tick_ms / 1000, "tick", orch.tick)),
+            asyncio.create_task(
+                _every(settings.lease_ms / 3000, "lease", orch.renew_leases)),
+        ]
+        await asyncio.wait_for(listener.ready.wait(), 30)
+        log.info("control plane ready", node=node, ws_url=ws_url, version=__version__)
+        try:
+            yield
+        finally:
+            for loop in loops:
+                loop.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+            await orch.runner.close()
+            await pool.close()
+
+    app = FastAPI(title="covey", version=__version__, lifespan=lifespan,
+                  description="Agent control plane with kill switches (covey-compatible).")
+    errors.install(app)
+    for router in (auth.router, agents.router, fleet.router, trigger.router,
+                   notifications.router, daemon.router):
+        app.include_router(router)
+
+    @app.get("/healthz", tags=["system"])
+    async def healthz(request: Request) -> dict[str, Any]:
+        orch: Orchestrator = request.app.state.orchestrator
+        await orch.pool.fetchval("SELECT 1")
+        return {"ok": True, "node": orch.node, "version": __version__}
+
+    @app.get("/metrics", tags=["system"], response_class=PlainTextResponse)
+    async def metrics_endpoint() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/api/v1/events", tags=["system"], response_class=StreamingResponse)
+    async def status_events(who: AnyRole) -> StreamingResponse:
+        """Server-sent events: one `status` event per agent status change in your org."""
+        return StreamingResponse(events.stream(who.org_id), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store"})
+
+    @app.get("/", include_in_schema=False, response_class=HTMLResponse)
+    async def index() -> HTMLResponse:
+        return HTMLResponse('<p>covey control plane. API: <a href="/docs">/docs</a></p>')
+
+    wrapped: Any = app
+    wrapped.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    return app

@@ -1,0 +1,94 @@
+"""`covey serve | migrate | bootstrap` (DESIGN §2.6)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+import asyncpg
+
+from covey.config import ConfigError, Settings
+
+
+def _database_url(settings: Settings) -> str:
+    from covey.db import embedded_database_url
+
+    return settings.database_url or embedded_database_url(settings.data_dir)
+
+
+async def _bootstrap(url: str, args: argparse.Namespace) -> str:
+    from covey.api.auth import create_org, insert_human
+    from covey.db import migrate
+    from covey.security import verify_password
+
+    await migrate(url)
+    conn = await asyncpg.connect(url)
+    try:
+        async with conn.transaction():
+            org_id = await conn.fetchval("SELECT id FROM organizations WHERE name=$1", args.org)
+            if org_id is None:
+                org_id, _ = await create_org(conn, args.org, args.admin_email,
+                                             args.admin_password)
+            else:
+                row = await conn.fetchrow(
+                    "SELECT org_id, password_hash FROM humans WHERE email=$1",
+                    args.admin_email.lower())
+                if row is None or row["org_id"] != org_id:
+                    raise SystemExit(f"organisation {args.org!r} exists without admin "
+                                     f"{args.admin_email}; pick another --org")
+                if not verify_password(row["password_hash"], args.admin_password):
+                    raise SystemExit("admin exists with another password; not changed")
+            if args.platform_admin_email:
+                exists = await conn.fetchval("SELECT 1 FROM humans WHERE email=$1",
+                                             args.platform_admin_email.lower())
+                if not exists:
+                    await insert_human(conn, org_id, args.platform_admin_email,
+                                       args.platform_admin_password or "", "platform_admin")
+    finally:
+        await conn.close()
+    return str(org_id)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="covey", description="covey control plane")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the control plane")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8080)
+    sub.add_parser("migrate", help="apply database migrations")
+    boot = sub.add_parser("bootstrap", help="create an organisation and its admin (idempotent)")
+    boot.add_argument("--org", required=True)
+    boot.add_argument("--admin-email", required=True)
+    boot.add_argument("--admin-password", required=True)
+    boot.add_argument("--platform-admin-email")
+    boot.add_argument("--platform-admin-password")
+    args = parser.parse_args(argv)
+
+    from covey.logs import configure
+
+    configure(os.environ.get("COVEY_LOG_LEVEL", "INFO"))
+    try:
+        settings = Settings.from_env()
+    except ConfigError as exc:
+        sys.exit(f"covey: {exc}")
+
+    if args.command == "serve":
+        import uvicorn
+
+        from covey.app import create_app
+
+        app = create_app(settings, host=args.host, port=args.port)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                    ws="websockets-sansio", ws_ping_interval=5, ws_ping_timeout=5)
+    elif args.command == "migrate":
+        from covey.db import migrate
+
+        applied = asyncio.run(migrate(_database_url(settings)))
+        print(f"applied {len(applied)} migration(s)" + (f": {', '.join(applied)}" if applied
+                                                        else ""))
+    elif args.command == "bootstrap":
+        if args.platform_admin_email and not args.platform_admin_password:
+            sys.exit("covey: --platform-admin-password is required with --platform-admin-email")
+        print(asyncio.run(_bootstrap(_database_url(settings), args)))

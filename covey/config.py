@@ -1,0 +1,63 @@
+"""Configuration from the environment, with the same names everywhere (DESIGN §2.6)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message names the variable and a valid value."""
+
+
+def _int_env(env: dict[str, str], name: str, default: int, minimum: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer (e.g. {name}={default})") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={value} is below {minimum}")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str | None
+    data_dir: Path
+    tick_ms: int = 1000
+    lease_ms: int = 2000
+    daemon_command: list[str] = field(default_factory=lambda: ["coveyd"])
+    sandbox_backend: str = "process"
+    public_ws_url: str | None = None
+    daemon_token_ttl_s: int = 60
+    daemon_timeout_s: int = 15
+    max_daemon_retries: int = 5
+    max_body_bytes: int = 64 * 1024
+    kill_grace_s: float = 5.0
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Settings:
+        env = dict(os.environ if env is None else env)
+        backend = env.get("COVEY_SANDBOX_BACKEND", "process")
+        if backend not in ("process", "docker"):
+            raise ConfigError(f"COVEY_SANDBOX_BACKEND={backend!r}: use 'process' or 'docker'")
+        command = shlex.split(env.get("COVEY_DAEMON_COMMAND", "coveyd"))
+        if not command:
+            raise ConfigError("COVEY_DAEMON_COMMAND is empty: give the daemon's command line")
+        return cls(
+            database_url=env.get("DATABASE_URL") or None,
+            data_dir=Path(env.get("COVEY_DATA_DIR", ".covey")).absolute(),
+            tick_ms=_int_env(env, "COVEY_TICK_MS", 1000, 10),
+            lease_ms=_int_env(env, "COVEY_LEASE_MS", 2000, 100),
+            daemon_command=command,
+            sandbox_backend=backend,
+            public_ws_url=env.get("COVEY_PUBLIC_WS_URL") or None,
+            daemon_token_ttl_s=_int_env(env, "COVEY_DAEMON_TOKEN_TTL_S", 60, 1),
+            daemon_timeout_s=_int_env(env, "COVEY_DAEMON_TIMEOUT_S", 15, 1),
+            max_daemon_retries=_int_env(env, "COVEY_MAX_DAEMON_RETRIES", 5, 0),
+        )

@@ -1,0 +1,93 @@
+"""Postgres: the embedded server when no DATABASE_URL is given, the pool, and migrations."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib import resources
+from pathlib import Path
+from typing import Any, TypeAlias
+
+import asyncpg
+import structlog
+from asyncpg.pool import PoolConnectionProxy
+
+log = structlog.get_logger(__name__)
+
+Pool = asyncpg.Pool
+# A pooled connection is a proxy; functions that run SQL take either.
+Connection: TypeAlias = "asyncpg.Connection[asyncpg.Record] | PoolConnectionProxy[asyncpg.Record]"
+
+
+def embedded_database_url(data_dir: Path) -> str:
+    """Start (or reuse) the embedded Postgres under data_dir and return its URL.
+
+    pgserver keeps one server per data directory and shares it between processes, so a
+    second replica or `covey migrate` beside `covey serve` reaches the same database.
+    """
+    import pgserver  # type: ignore[attr-defined,unused-ignore]
+
+    pgdata = data_dir / "pgdata"
+    pgdata.mkdir(parents=True, exist_ok=True)
+    server = pgserver.get_server(pgdata, cleanup_mode=None)  # type: ignore[attr-defined]
+    return str(server.get_uri())
+
+
+async def _init_connection(conn: Connection) -> None:
+    await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+
+
+async def create_pool(url: str, min_size: int = 2, max_size: int = 20) -> Pool:
+    pool = await asyncpg.create_pool(
+        url, min_size=min_size, max_size=max_size, init=_init_connection
+    )
+    if pool is None:  # pragma: no cover - asyncpg returns None only without awaiting
+        raise RuntimeError("asyncpg returned no pool")
+    return pool
+
+
+def _migrations() -> list[tuple[str, str]]:
+    folder = resources.files("covey") / "migrations"
+    files = sorted((p.name, p) for p in folder.iterdir() if p.name.endswith(".sql"))
+    return [(name, p.read_text()) for name, p in files]
+
+
+async def migrate(url: str) -> list[str]:
+    """Apply the migrations not yet recorded, in order, each in its own transaction."""
+    conn = await asyncpg.connect(url)
+    applied_now: list[str] = []
+    try:
+        # One migrator at a time, across replicas starting together.
+        await conn.execute("SELECT pg_advisory_lock(7460001)")
+        await conn.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations ("
+            " name text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        done = {r["name"] for r in await conn.fetch("SELECT name FROM schema_migrations")}
+        for name, sql in _migrations():
+            if name in done:
+                continue
+            async with conn.transaction():
+                await conn.execute(sql)
+                await conn.execute("INSERT INTO schema_migrations (name) VALUES ($1)", name)
+            applied_now.append(name)
+            log.info("migration applied", migration=name)
+    finally:
+        await conn.execute("SELECT pg_advisory_unlock(7460001)")
+        await conn.close()
+    return applied_now
+
+
+@asynccontextmanager
+async def transaction(pool: Pool) -> AsyncIterator[Connection]:
+    async with pool.acquire() as conn, conn.transaction():
+        yield conn
+
+
+async def fetch_one(conn: Connection | Pool, sql: str, *args: Any) -> asyncpg.Record:
+    """For statements that always return a row (INSERT … RETURNING, aggregates)."""
+    row = await conn.fetchrow(sql, *args)
+    if row is None:
+        raise RuntimeError(f"expected a row from: {sql.strip()[:80]}")
+    return row

@@ -1,0 +1,71 @@
+"""The daemons connected to this replica, and the one way to send them a message."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+from uuid import UUID
+
+from covey import metrics
+
+
+class MessageSink(Protocol):
+    async def send_text(self, data: str) -> None: ...
+
+
+@dataclass
+class DaemonLink:
+    session_id: UUID
+    agent_id: UUID
+    sink: MessageSink
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    killed: bool = False
+
+
+class DaemonHub:
+    def __init__(self) -> None:
+        self._links: dict[UUID, DaemonLink] = {}
+
+    def attach(self, link: DaemonLink) -> None:
+        self._links[link.session_id] = link
+        metrics.daemon_connections.set(len(self._links))
+
+    def detach(self, session_id: UUID) -> None:
+        self._links.pop(session_id, None)
+        metrics.daemon_connections.set(len(self._links))
+
+    def session_ids(self) -> list[UUID]:
+        return list(self._links)
+
+    def get(self, session_id: UUID) -> DaemonLink | None:
+        return self._links.get(session_id)
+
+    async def send(self, session_id: UUID, kind: str, payload: dict[str, Any]) -> bool:
+        link = self._links.get(session_id)
+        if link is None:
+            return False
+        return await send_to(link, kind, payload)
+
+    async def send_kill(self, session_id: UUID) -> bool:
+        """Send `kill` once per session, however many paths (local call, NOTIFY) ask for it.
+        True when this replica holds the daemon's connection and the kill went out."""
+        link = self._links.get(session_id)
+        if link is None:
+            return False
+        if link.killed:  # the other path got there first; it has been sent
+            return True
+        link.killed = True
+        return await send_to(link, "kill", {"reason": "kill-switch", "sent_at_ns": time.time_ns()})
+
+
+async def send_to(link: DaemonLink, kind: str, payload: dict[str, Any]) -> bool:
+    text = json.dumps({"type": kind, "payload": payload}, default=str)
+    try:
+        async with link.lock:
+            await link.sink.send_text(text)
+    except Exception:  # a closed socket: the disconnect handler deals with the session
+        return False
+    return True

@@ -1,0 +1,20 @@
+"""Prometheus metrics of the kill path. Stages are measured from the kill request's arrival."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+KILL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+kills = Counter("covey_kills_total", "Kill requests", ["scope", "outcome"])
+resumes = Counter("covey_resumes_total", "Resume requests", ["scope", "outcome"])
+kill_stage_seconds = Histogram(
+    "covey_kill_stage_seconds",
+    "Time from the kill request to each stage: flag committed, kill sent, tasks requeued",
+    ["scope", "stage"],
+    buckets=KILL_BUCKETS,
+)
+wakes = Counter("covey_wakes_total", "Wake attempts by path and outcome", ["path", "outcome"])
+daemon_connections = Gauge("covey_daemon_connections", "Daemon WebSockets connected here")
+daemon_losses = Counter("covey_daemon_losses_total", "Sessions lost with their daemon", ["outcome"])
+rejected_results = Counter("covey_rejected_results_total", "Results refused by fencing", ["why"])

@@ -1,0 +1,636 @@
+"""The orchestrator: wake, dispatch, the two kill switches and their resumes, the scheduler
+tick, daemon loss. DESIGN §2.3 is the contract; each public method is one of its lines.
+
+Concurrency rule: every path that starts or feeds work locks the agent row (FOR UPDATE or
+FOR SHARE) and the organisation row (FOR SHARE) and reads both flags under those locks. The
+switches UPDATE the same rows, so a wake and a kill are serialised by Postgres, whichever
+replica runs them: either the kill sees the new session and cancels it, or the wake sees the
+flag and starts nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID, uuid4
+
+import asyncpg
+import structlog
+
+from covey import metrics
+from covey.config import Settings
+from covey.db import Connection, Pool, fetch_one, transaction
+from covey.hub import DaemonHub
+from covey.sandbox import Runner
+from covey.security import new_token, token_hash
+
+log = structlog.get_logger(__name__)
+
+LIVE = ("starting", "running")
+
+FLEET_KILLED_TITLE = (
+    "The emergency stop was pulled: every agent of this organisation is paused"
+)
+
+
+@dataclass
+class WakeResult:
+    outcome: str  # started | refused | busy | idle
+    session_id: UUID | None = None
+
+
+@dataclass
+class KillReport:
+    already_killed: bool
+    sessions_cancelled: list[UUID] = field(default_factory=list)
+    kill_delivered: list[UUID] = field(default_factory=list)
+    tasks_requeued: list[UUID] = field(default_factory=list)
+    agents: list[UUID] = field(default_factory=list)
+    evicted_sandboxes: list[UUID] = field(default_factory=list)
+
+
+@dataclass
+class ResumeReport:
+    changed: bool
+    agents_released: list[UUID] = field(default_factory=list)
+    agents_woken: list[UUID] = field(default_factory=list)
+    held_by_fleet: bool = False
+
+
+async def emit_status(conn: Connection, org_id: UUID, agent_id: UUID, status: str) -> None:
+    """Publish a status change to every replica's event stream (delivered at commit)."""
+    payload = json.dumps({"org_id": str(org_id), "agent_id": str(agent_id), "status": status})
+    await conn.execute("SELECT pg_notify('covey_events', $1)", payload)
+
+
+async def record(conn: Connection, agent_id: UUID, session_id: UUID | None, kind: str,
+                 status: str, detail: dict[str, Any]) -> None:
+    await conn.execute(
+        "INSERT INTO recording_events (agent_id, session_id, kind, status, detail)"
+        " VALUES ($1, $2, $3, $4, $5)",
+        agent_id, session_id, kind, status, detail,
+    )
+
+
+async def audit(conn: Connection, org_id: UUID | None, actor_id: UUID | None, action: str,
+                target: str, detail: dict[str, Any] | None = None) -> None:
+    await conn.execute(
+        "INSERT INTO audit_log (org_id, actor_id, action, target, detail)"
+        " VALUES ($1, $2, $3, $4, $5)",
+        org_id, actor_id, action, target, detail or {},
+    )
+
+
+async def requeue_in_progress(conn: Connection, where: str, args: list[Any], note: str
+                              ) -> list[UUID]:
+    """Put the in-progress tasks matching `where` back to open, with a transition each."""
+    rows = await conn.fetch(
+        f"""
+        WITH moved AS (
+            UPDATE backlog_tasks t SET state='open', claim_token=NULL, claimed_by=NULL,
+                   updated_at=now()
+            WHERE t.state='in_progress' AND {where}
+            RETURNING t.id
+        ), logged AS (
+            INSERT INTO task_transitions (task_id, from_state, to_state, note)
+            SELECT id, 'in_progress', 'open', ${len(args) + 1} FROM moved
+        )
+        SELECT id FROM moved
+        """,
+        *args, note,
+    )
+    return [r["id"] for r in rows]
+
+
+class Orchestrator:
+    def __init__(self, pool: Pool, settings: Settings, hub: DaemonHub, node: str,
+                 ws_url: str) -> None:
+        self.pool = pool
+        self.settings = settings
+        self.hub = hub
+        self.node = node
+        self.ws_url = ws_url
+        self.runner: Runner | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ---------------------------------------------------------------- waking
+
+    async def wake(self, agent_id: UUID, path: str) -> WakeResult:
+        """The one place that decides whether an agent may wake, for every wake path."""
+        async with transaction(self.pool) as conn:
+            row = await conn.fetchrow(
+                """
+                SELECT a.id, a.org_id, a.killed, o.fleet_killed
+                FROM agents a JOIN organizations o ON o.id=a.org_id
+                WHERE a.id=$1
+                FOR UPDATE OF a FOR SHARE OF o
+                """,
+                agent_id,
+            )
+            if row is None:
+                return WakeResult("idle")
+            if row["killed"] or row["fleet_killed"]:
+                metrics.wakes.labels(path, "refused").inc()
+                return WakeResult("refused")
+            # A statement of its own, after the lock: it sees a session that a concurrent
+            # wake committed while we waited (a subquery above would not).
+            work = await fetch_one(
+                conn,
+                """
+                SELECT EXISTS (SELECT 1 FROM backlog_tasks t
+                               WHERE t.agent_id=$1 AND t.state='open') AS has_work,
+                       EXISTS (SELECT 1 FROM sessions s
+                               WHERE s.agent_id=$1 AND s.state IN ('starting','running'))
+                           AS live
+                """,
+                agent_id,
+            )
+            if work["live"]:
+                metrics.wakes.labels(path, "busy").inc()
+                return WakeResult("busy")
+            if not work["has_work"]:
+                metrics.wakes.labels(path, "idle").inc()
+                return WakeResult("idle")
+            session_id, sandbox_id = uuid4(), uuid4()
+            token = new_token("cvd")
+            await conn.execute(
+                "INSERT INTO sandboxes (id, agent_id, backend, daemon_token_hash,"
+                " token_expires_at) VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5))",
+                sandbox_id, agent_id, self._backend, token_hash(token),
+                float(self.settings.daemon_token_ttl_s),
+            )
+            await conn.execute(
+                "INSERT INTO sessions (id, agent_id, sandbox_id, node) VALUES ($1, $2, $3, $4)",
+                session_id, agent_id, sandbox_id, self.node,
+            )
+            await conn.execute("UPDATE agents SET status='triggered' WHERE id=$1", agent_id)
+            await record(conn, agent_id, session_id, "session", "started", {"path": path})
+            await emit_status(conn, row["org_id"], agent_id, "triggered")
+        metrics.wakes.labels(path, "started").inc()
+        await self._start_sandbox(agent_id, session_id, sandbox_id, token)
+        return WakeResult("started", session_id)
+
+    @property
+    def _backend(self) -> str:
+        return self.runner.backend if self.runner else "none"
+
+    async def _start_sandbox(self, agent_id: UUID, session_id: UUID, sandbox_id: UUID,
+                             token: str) -> None:
+        if self.runner is None:
+            return
+        env = {
+            "COVEY_WS_URL": self.ws_url,
+            "COVEY_DAEMON_TOKEN": token,
+            "COVEY_AGENT_ID": str(agent_id),
+            "COVEY_SANDBOX_ID": str(sandbox_id),
+        }
+        try:
+            await self.runner.start(env, sandbox_id, agent_id, session_id)
+        except Exception as exc:
+            log.error("sandbox failed to start", agent_id=str(agent_id), error=str(exc))
+            await self.session_lost(session_id, f"sandbox failed to start: {exc}")
+
+    async def wake_many(self, agent_ids: list[UUID], path: str) -> list[UUID]:
+        results = await asyncio.gather(*(self.wake(a, path) for a in agent_ids))
+        return [a for a, r in zip(agent_ids, results, strict=True) if r.outcome == "started"]
+
+    # ---------------------------------------------------------------- work
+
+    async def claim_next(self, session_id: UUID) -> asyncpg.Record | None:
+        """Claim the agent's next open task for this session, fenced by a fresh token."""
+        async with transaction(self.pool) as conn:
+            session = await conn.fetchrow(
+                """
+                SELECT s.agent_id, a.org_id, a.killed, o.fleet_killed, s.state
+                FROM sessions s JOIN agents a ON a.id=s.agent_id
+                     JOIN organizations o ON o.id=a.org_id
+                WHERE s.id=$1 FOR UPDATE OF s FOR SHARE OF a, o
+                """,
+                session_id,
+            )
+            if (session is None or session["state"] not in LIVE or session["killed"]
+                    or session["fleet_killed"]):
+                return None
+            task = await conn.fetchrow(
+                """
+                WITH next AS (
+                    SELECT id FROM backlog_tasks WHERE agent_id=$1 AND state='open'
+                    ORDER BY priority DESC, created_at, id LIMIT 1 FOR UPDATE SKIP LOCKED
+                )
+                UPDATE backlog_tasks t SET state='in_progress',
+                       claim_token=nextval('fencing_tokens'), claimed_by=$2, updated_at=now()
+                FROM next WHERE t.id=next.id
+                RETURNING t.id, t.title, t.body, t.claim_token, t.origin
+                """,
+                session["agent_id"], session_id,
+            )
+            if task is None:
+                return None
+            await conn.execute(
+                "INSERT INTO task_transitions (task_id, from_state, to_state, note)"
+                " VALUES ($1, 'open', 'in_progress', $2)",
+                task["id"], f"claimed by session {session_id}",
+            )
+            await conn.execute(
+                "UPDATE sessions SET state='running', task_id=$2 WHERE id=$1",
+                session_id, task["id"],
+            )
+            await conn.execute("UPDATE agents SET status='working' WHERE id=$1",
+                               session["agent_id"])
+            await emit_status(conn, session["org_id"], session["agent_id"], "working")
+            return task
+
+    async def finish_task(self, session_id: UUID, task_id: UUID, fencing_token: int,
+                          to_state: str, result: str) -> str | None:
+        """Record a session's result. Returns None when accepted, else why it was refused.
+
+        A result counts only from the live session that holds the task's current fencing
+        token: a killed, lost or superseded session cannot complete work twice.
+        """
+        async with transaction(self.pool) as conn:
+            # FOR SHARE of the agent and org rows waits for a kill in flight: its flag is
+            # committed before the daemon hears `kill`, so a result racing the kill is refused.
+            row = await conn.fetchrow(
+                """
+                SELECT s.state AS session_state, t.state AS task_state, t.claim_token,
+                       t.claimed_by, t.agent_id, a.killed, o.fleet_killed
+                FROM sessions s
+                JOIN agents a ON a.id=s.agent_id JOIN organizations o ON o.id=a.org_id
+                JOIN backlog_tasks t ON t.agent_id=s.agent_id
+                WHERE s.id=$1 AND t.id=$2 FOR UPDATE OF t FOR SHARE OF a, o
+                """,
+                session_id, task_id,
+            )
+            if row is None:
+                metrics.rejected_results.labels("unknown").inc()
+                return "unknown task"
+            why = None
+            if row["killed"] or row["fleet_killed"]:
+                why = "agent is killed" if row["killed"] else "fleet is stopped"
+            elif row["session_state"] not in LIVE:
+                why = f"session is {row['session_state']}"
+            elif (row["task_state"] != "in_progress" or row["claimed_by"] != session_id
+                  or row["claim_token"] != fencing_token):
+                why = "stale fencing token"
+            if why is not None:
+                metrics.rejected_results.labels(why.split()[0]).inc()
+                return why
+            await conn.execute(
+                "UPDATE backlog_tasks SET state=$2, result=$3, claim_token=NULL,"
+                " updated_at=now() WHERE id=$1",
+                task_id, to_state, result,
+            )
+            await conn.execute(
+                "INSERT INTO task_transitions (task_id, from_state, to_state, note)"
+                " VALUES ($1, 'in_progress', $2, $3)",
+                task_id, to_state, f"session {session_id}",
+            )
+            await record(conn, row["agent_id"], session_id, "task", to_state,
+                         {"task_id": str(task_id)})
+            return None
+
+    async def end_session(self, session_id: UUID) -> bool:
+        """A clean falling-asleep: the session ends, the agent sleeps."""
+        async with transaction(self.pool) as conn:
+            row = await conn.fetchrow(
+                "UPDATE sessions SET state='ended', ended_at=now() WHERE id=$1"
+                " AND state IN ('starting','running') RETURNING agent_id",
+                session_id,
+            )
+            if row is None:
+                return False
+            agent = await conn.fetchrow(
+                "UPDATE agents SET status='sleeping' WHERE id=$1 AND NOT killed"
+                " RETURNING org_id", row["agent_id"],
+            )
+            await record(conn, row["agent_id"], session_id, "session", "ended", {})
+            if agent is not None:
+                await emit_status(conn, agent["org_id"], row["agent_id"], "sleeping")
+        return True
+
+    async def session_lost(self, session_id: UUID, why: str) -> list[UUID]:
+        """The daemon went away without a clean end: requeue its task, counting retries.
+
+        The requeue's NOTIFY wakes the agent again, through the same flag checks as any wake.
+        """
+        max_retries = self.settings.max_daemon_retries
+        async with transaction(self.pool) as conn:
+            row = await conn.fetchrow(
+                "UPDATE sessions SET state='lost', ended_at=now(), stop_reason=$2 WHERE id=$1"
+                " AND state IN ('starting','running') RETURNING agent_id",
+                session_id, why,
+            )
+            if row is None:
+                return []
+            tasks = await conn.fetch(
+                """
+                WITH moved AS (
+                    UPDATE backlog_tasks SET daemon_retries=daemon_retries+1,
+                           state=CASE WHEN daemon_retries+1 > $2 THEN 'failed' ELSE 'open' END,
+                           claim_token=NULL, claimed_by=NULL, updated_at=now()
+                    WHERE claimed_by=$1 AND state='in_progress'
+                    RETURNING id, state, daemon_retries
+                ), logged AS (
+                    INSERT INTO task_transitions (task_id, from_state, to_state, note)
+                    SELECT id, 'in_progress', state,
+                           'daemon lost (retry ' || daemon_retries || ')' FROM moved
+                )
+                SELECT id, state FROM moved
+                """,
+                session_id, max_retries,
+            )
+            agent = await conn.fetchrow(
+                "UPDATE agents SET status='sleeping' WHERE id=$1 AND NOT killed"
+                " RETURNING org_id", row["agent_id"],
+            )
+            await record(conn, row["agent_id"], session_id, "session", "lost",
+                         {"why": why, "tasks": {str(t["id"]): t["state"] for t in tasks}})
+            if agent is not None:
+                await emit_status(conn, agent["org_id"], row["agent_id"], "sleeping")
+        for t in tasks:
+            metrics.daemon_losses.labels("failed" if t["state"] == "failed" else "requeued").inc()
+        log.warning("daemon lost", session_id=str(session_id), why=why)
+        return [t["id"] for t in tasks]
+
+    async def sandbox_exited(self, sandbox_id: UUID, session_id: UUID, code: int) -> None:
+        await self.session_lost(session_id, f"daemon exited with code {code}")
+
+    # ---------------------------------------------------------------- switches
+
+    async def kill_agent(self, org_id: UUID, agent_id: UUID, actor_id: UUID | None,
+                         origin: str = "agent") -> KillReport | None:
+        """DESIGN §2.3 line 1. Returns None when the agent is not in this organisation."""
+        started = time.perf_counter()
+        async with transaction(self.pool) as conn:
+            row = await conn.fetchrow(
+                """
+                WITH prev AS (
+                    SELECT id, killed, kill_origin FROM agents
+                    WHERE id=$1 AND org_id=$2 FOR UPDATE
+                )
+                UPDATE agents a SET killed=true, status='killed',
+                       killed_at=COALESCE(a.killed_at, now()),
+                       -- An agent's own kill outranks the fleet's: fleet resume must leave
+                       -- an agent that someone stopped on purpose stopped.
+                       kill_origin=CASE WHEN NOT prev.killed OR prev.kill_origin='fleet'
+                                        THEN $3 ELSE prev.kill_origin END
+                FROM prev WHERE a.id=prev.id
+                RETURNING prev.killed AS was_killed, prev.kill_origin AS was_origin
+                """,
+                agent_id, org_id, origin,
+            )
+            if row is None:
+                return None
+            live = await self._cancel_live_sessions(conn, "s.agent_id=$1", [agent_id])
+            changed = not row["was_killed"] or row["was_origin"] != origin
+            if changed:
+                await audit(conn, org_id, actor_id, "agent.kill", str(agent_id),
+                            {"origin": origin})
+                await emit_status(conn, org_id, agent_id, "killed")
+        metrics.kill_stage_seconds.labels("agent", "flag_committed").observe(
+            time.perf_counter() - started)
+        report = KillReport(already_killed=bool(row["was_killed"]), agents=[agent_id])
+        await self._stop_sessions(org_id, "agent", live, [agent_id] if changed else [],
+                                  started, report)
+        metrics.kills.labels("agent", "already" if report.already_killed else "killed").inc()
+        return report
+
+    async def kill_fleet(self, org_id: UUID, actor_id: UUID | None) -> KillReport:
+        """DESIGN §2.3 line 2: the org flag first, then every agent's kill."""
+        started = time.perf_counter()
+        async with transaction(self.pool) as conn:
+            was = await conn.fetchval(
+                "SELECT fleet_killed FROM organizations WHERE id=$1 FOR UPDATE", org_id)
+            await conn.execute(
+                "UPDATE organizations SET fleet_killed=true,"
+                " fleet_killed_at=COALESCE(fleet_killed_at, now()),"
+                " fleet_killed_by=COALESCE(fleet_killed_by, $2) WHERE id=$1",
+                org_id, actor_id,
+            )
+            newly = await conn.fetch(
+                "UPDATE agents SET killed=true, kill_origin='fleet', status='killed',"
+                " killed_at=now() WHERE org_id=$1 AND NOT killed RETURNING id",
+                org_id,
+            )
+            live = await self._cancel_live_sessions(conn, "a.org_id=$1", [org_id])
+            if not was:
+                recipients = await conn.fetchval(
+                    "SELECT COALESCE(array_agg(id), '{}') FROM humans WHERE org_id=$1"
+                    " AND role IN ('org_admin','controlling')",
+                    org_id,
+                )
+                await conn.execute(
+                    "INSERT INTO notifications (org_id, class, kind, title, link, recipients)"
+                    " VALUES ($1, 'cost', 'fleet_killed', $2, '/administration', $3)",
+                    org_id, FLEET_KILLED_TITLE, recipients,
+                )
+                await audit(conn, org_id, actor_id, "fleet.kill", str(org_id),
+                            {"agents": len(newly)})
+            for r in newly:
+                await emit_status(conn, org_id, r["id"], "killed")
+        metrics.kill_stage_seconds.labels("fleet", "flag_committed").observe(
+            time.perf_counter() - started)
+        agents = [r["id"] for r in newly]
+        report = KillReport(already_killed=bool(was), agents=agents)
+        await self._stop_sessions(org_id, "fleet", live, agents, started, report)
+        metrics.kills.labels("fleet", "already" if was else "killed").inc()
+        return report
+
+    async def _cancel_live_sessions(self, conn: Connection, where: str, args: list[Any]
+                                    ) -> list[asyncpg.Record]:
+        """Cancel the sessions a kill must stop, in the flag's own transaction, and announce
+        them to every replica at commit. Cancelled with the flag, a daemon that exits the
+        instant it hears `kill` is never mistaken for a lost one (that would count a retry
+        and requeue behind the kill's back)."""
+        live = await conn.fetch(
+            f"""
+            UPDATE sessions s SET state='cancelled', ended_at=now(), stop_layer='kill-switch',
+                   stop_reason='stopped by the kill switch'
+            FROM agents a
+            WHERE a.id=s.agent_id AND {where} AND s.state IN ('starting','running')
+            RETURNING s.id, s.agent_id, s.sandbox_id
+            """,
+            *args,
+        )
+        if live:
+            # Daemons connected to another replica hear of the kill through it.
+            await conn.execute(
+                "SELECT pg_notify('covey_kill', $1)",
+                ",".join(str(s["id"]) for s in live),
+            )
+        return list(live)
+
+    async def _stop_sessions(self, org_id: UUID, scope: str, live: list[asyncpg.Record],
+                             agents: list[UUID], started: float, report: KillReport) -> None:
+        """After the flag is committed (with the sessions cancelled): kill messages, evict
+        warm sandboxes, requeue in-progress work, record. In that order (DESIGN §2.3 line 1).
+        `agents` are those whose flag this kill set; with the agents of live sessions, they
+        are the ones it touches (a repeated kill touches none)."""
+        session_ids = [s["id"] for s in live]
+        delivered = await asyncio.gather(*(self.hub.send_kill(s) for s in session_ids))
+        report.kill_delivered = [s for s, ok in zip(session_ids, delivered, strict=True) if ok]
+        metrics.kill_stage_seconds.labels(scope, "kill_sent").observe(
+            time.perf_counter() - started)
+        touched = sorted({*agents, *(s["agent_id"] for s in live)})
+        async with transaction(self.pool) as conn:
+            if self.runner is not None:
+                for agent_id in touched:
+                    report.evicted_sandboxes += await self.runner.evict_warm(agent_id)
+            report.tasks_requeued = await requeue_in_progress(
+                conn, "t.agent_id = ANY($1::uuid[])", [touched], f"{scope} kill-switch")
+            metrics.kill_stage_seconds.labels(scope, "requeued").observe(
+                time.perf_counter() - started)
+            by_agent = {s["agent_id"]: s["id"] for s in live}
+            for agent_id in touched:
+                await record(conn, agent_id, by_agent.get(agent_id), "kill", "killed",
+                             {"scope": scope, "requeued": len(report.tasks_requeued)})
+        report.sessions_cancelled = session_ids
+        if self.runner is not None:
+            self.runner.tear_down([s["sandbox_id"] for s in live],
+                                  {s["sandbox_id"] for s in live
+                                   if s["id"] in report.kill_delivered})
+
+    async def deliver_kills(self, session_ids: list[UUID]) -> None:
+        """A kill announced by another replica (or by ourselves: sent at most once)."""
+        await asyncio.gather(*(self.hub.send_kill(s) for s in session_ids))
+
+    async def resume_agent(self, org_id: UUID, agent_id: UUID, actor_id: UUID | None
+                           ) -> ResumeReport | None:
+        """DESIGN §2.3 line 6: clears the agent's own flag; a fleet stop still holds it."""
+        async with transaction(self.pool) as conn:
+            row = await conn.fetchrow(
+                """
+                SELECT a.killed, o.fleet_killed FROM agents a
+                JOIN organizations o ON o.id=a.org_id
+                WHERE a.id=$1 AND a.org_id=$2 FOR UPDATE OF a FOR SHARE OF o
+                """,
+                agent_id, org_id,
+            )
+            if row is None:
+                return None
+            if row["killed"]:
+                await conn.execute(
+                    "UPDATE agents SET killed=false, kill_origin=NULL, killed_at=NULL,"
+                    " status='sleeping' WHERE id=$1",
+                    agent_id,
+                )
+                await audit(conn, org_id, actor_id, "agent.resume", str(agent_id))
+                await record(conn, agent_id, None, "kill", "resumed", {})
+                await emit_status(conn, org_id, agent_id, "sleeping")
+        report = ResumeReport(changed=bool(row["killed"]), held_by_fleet=bool(row["fleet_killed"]))
+        if row["killed"]:
+            report.agents_released = [agent_id]
+        if not row["fleet_killed"]:
+            report.agents_woken = await self.wake_many([agent_id], "resume")
+        metrics.resumes.labels("agent", "resumed" if report.changed else "noop").inc()
+        return report
+
+    async def resume_fleet(self, org_id: UUID, actor_id: UUID | None) -> ResumeReport:
+        """DESIGN §2.3 line 5: clear the org flag and only the agent flags the fleet set,
+        then wake every agent with open work now, not on the next tick."""
+        async with transaction(self.pool) as conn:
+            was = await conn.fetchval(
+                "SELECT fleet_killed FROM organizations WHERE id=$1 FOR UPDATE", org_id)
+            await conn.execute(
+                "UPDATE organizations SET fleet_killed=false, fleet_killed_at=NULL,"
+                " fleet_killed_by=NULL WHERE id=$1",
+                org_id,
+            )
+            released = await conn.fetch(
+                "UPDATE agents SET killed=false, kill_origin=NULL, killed_at=NULL,"
+                " status='sleeping' WHERE org_id=$1 AND kill_origin='fleet' RETURNING id",
+                org_id,
+            )
+            for r in released:
+                await record(conn, r["id"], None, "kill", "resumed", {"scope": "fleet"})
+                await emit_status(conn, org_id, r["id"], "sleeping")
+            if was:
+                await audit(conn, org_id, actor_id, "fleet.resume", str(org_id),
+                            {"agents": len(released)})
+            with_work = await conn.fetch(
+                "SELECT DISTINCT a.id FROM agents a JOIN backlog_tasks t ON t.agent_id=a.id"
+                " WHERE a.org_id=$1 AND NOT a.killed AND t.state='open'",
+                org_id,
+            )
+        report = ResumeReport(changed=bool(was), agents_released=[r["id"] for r in released])
+        report.agents_woken = await self.wake_many([r["id"] for r in with_work], "resume")
+        metrics.resumes.labels("fleet", "resumed" if was else "noop").inc()
+        return report
+
+    # ---------------------------------------------------------------- scheduler
+
+    async def tick(self) -> None:
+        """One scheduler pass: due heartbeats, sleeping agents with open work, lost daemons."""
+        async with transaction(self.pool) as conn:
+            # The UPDATE re-checks "due" under the row lock, so two replicas never fire the
+            # same heartbeat twice.
+            fired = await conn.fetch(
+                """
+                WITH due AS (
+                    UPDATE agent_heartbeats h SET last_fired_at=now()
+                    FROM agents a JOIN organizations o ON o.id=a.org_id
+                    WHERE h.agent_id=a.id AND NOT a.killed AND NOT o.fleet_killed
+                      AND (h.last_fired_at IS NULL
+                           OR h.last_fired_at + make_interval(secs => h.every_seconds) <= now())
+                    RETURNING h.agent_id, h.name, h.task_body, a.org_id
+                )
+                INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin)
+                SELECT gen_random_uuid(), org_id, agent_id, 'heartbeat: ' || name, task_body,
+                       'heartbeat' FROM due
+                RETURNING agent_id
+                """
+            )
+        stale = await self.pool.fetch(
+            """
+            SELECT id FROM sessions
+            WHERE (state='running' AND last_seen_at < now() - make_interval(secs => $1))
+               OR (state='starting' AND started_at < now() - make_interval(secs => $2))
+            """,
+            float(self.settings.daemon_timeout_s), float(self.settings.daemon_token_ttl_s),
+        )
+        for s in stale:
+            await self.session_lost(s["id"], "daemon silent past its timeout")
+        waiting = await self.pool.fetch(
+            """
+            SELECT DISTINCT a.id FROM agents a
+            JOIN organizations o ON o.id=a.org_id
+            JOIN backlog_tasks t ON t.agent_id=a.id AND t.state='open'
+            WHERE NOT a.killed AND NOT o.fleet_killed
+              AND NOT EXISTS (SELECT 1 FROM sessions s WHERE s.agent_id=a.id
+                              AND s.state IN ('starting','running'))
+            """
+        )
+        ids = {r["agent_id"] for r in fired} | {r["id"] for r in waiting}
+        if ids:
+            await self.wake_many(sorted(ids), "tick")
+
+    async def renew_leases(self) -> None:
+        """Renew the lease of every daemon connected here whose agent may still run.
+
+        A daemon whose lease is not renewed stops by itself: if this query fails (database
+        unreachable) no lease goes out, and the fleet fails closed.
+        """
+        ids = self.hub.session_ids()
+        if not ids:
+            return
+        rows = await self.pool.fetch(
+            """
+            UPDATE sessions s SET last_seen_at=now()
+            FROM agents a JOIN organizations o ON o.id=a.org_id
+            WHERE s.id = ANY($1::uuid[]) AND s.agent_id=a.id
+              AND s.state IN ('starting','running') AND NOT a.killed AND NOT o.fleet_killed
+            RETURNING s.id
+            """,
+            ids,
+        )
+        payload = {"ttl_ms": self.settings.lease_ms}
+        await asyncio.gather(*(self.hub.send(r["id"], "lease", payload) for r in rows))
+
+    def spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -1,0 +1,200 @@
+"""Real control planes for tests: uvicorn on a loopback port, a real database, real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import asyncpg
+import httpx
+import uvicorn
+
+from covey.app import create_app
+from covey.config import Settings
+from covey.orchestrator import Orchestrator
+from covey.security import hash_password, new_token, token_hash
+
+T = TypeVar("T")
+ROLES = ("org_admin", "agent_owner", "security", "auditor", "controlling")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Plane:
+    url: str
+    ws_url: str
+    database_url: str
+    data_dir: Path
+    app: Any
+
+    @property
+    def orch(self) -> Orchestrator:
+        orch: Orchestrator = self.app.state.orchestrator
+        return orch
+
+    def transcript(self, agent_id: str) -> list[dict[str, Any]]:
+        path = self.data_dir / "homes" / agent_id / "transcript.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+@asynccontextmanager
+async def start_plane(database_url: str, data_dir: Path, daemon_command: list[str],
+                      tick_ms: int = 300, lease_ms: int = 2000, **overrides: Any
+                      ) -> AsyncIterator[Plane]:
+    port = free_port()
+    settings = Settings(database_url=database_url, data_dir=data_dir, tick_ms=tick_ms,
+                        lease_ms=lease_ms, daemon_command=daemon_command, **overrides)
+    app = create_app(settings, host="127.0.0.1", port=port)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                            lifespan="on", ws="websockets-sansio")
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    await eventually(lambda: _started(server, serving), 30, "control plane did not start")
+    try:
+        yield Plane(f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/api/daemon/ws",
+                    database_url, data_dir, app)
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, 30)
+
+
+async def _started(server: uvicorn.Server, serving: asyncio.Task[None]) -> bool:
+    if serving.done():
+        serving.result()  # raises the start-up error
+        raise RuntimeError("control plane exited during start-up")
+    return server.started
+
+
+async def eventually(check: Callable[[], Awaitable[T]], timeout: float, message: str,
+                     interval: float = 0.05) -> T:
+    """Poll until check() returns something truthy; fail with `message` at the deadline."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = await check()
+        if last:
+            return last
+        await asyncio.sleep(interval)
+    raise AssertionError(f"{message} (after {timeout}s; last seen: {last!r})")
+
+
+@dataclass
+class Org:
+    id: uuid.UUID
+    humans: dict[str, uuid.UUID]
+    clients: dict[str, httpx.AsyncClient]
+
+
+@dataclass
+class World:
+    plane: Plane
+    db: asyncpg.Pool
+    org: Org
+    other: Org
+    anonymous: httpx.AsyncClient
+    _clients: list[httpx.AsyncClient] = field(default_factory=list)
+
+    def __getattr__(self, role: str) -> httpx.AsyncClient:
+        if role in ROLES:
+            return self.org.clients[role]
+        raise AttributeError(role)
+
+    async def agent(self, slug: str | None = None, **fields: Any) -> dict[str, Any]:
+        body = {"slug": slug or f"a-{uuid.uuid4().hex[:8]}", "display_name": "Test agent",
+                **fields}
+        r = await self.org.clients["org_admin"].post("/api/v1/agents", json=body)
+        assert r.status_code == 201, r.text
+        agent: dict[str, Any] = r.json()
+        return agent
+
+    async def task(self, agent_id: str, body: str, title: str = "task",
+                   client: httpx.AsyncClient | None = None) -> dict[str, Any]:
+        c = client or self.org.clients["org_admin"]
+        r = await c.post(f"/api/v1/agents/{agent_id}/tasks", json={"title": title, "body": body})
+        assert r.status_code == 201, r.text
+        task: dict[str, Any] = r.json()
+        return task
+
+    async def task_state(self, task_id: str) -> str:
+        state: str = await self.db.fetchval("SELECT state FROM backlog_tasks WHERE id=$1",
+                                            uuid.UUID(task_id))
+        return state
+
+    async def wait_task(self, task_id: str, state: str, timeout: float = 20) -> None:
+        async def reached() -> bool:
+            return await self.task_state(task_id) == state
+        await eventually(reached, timeout, f"task {task_id} never became {state}")
+
+    async def wait_working(self, agent_id: str, timeout: float = 20) -> None:
+        async def working() -> bool:
+            status = await self.db.fetchval("SELECT status FROM agents WHERE id=$1",
+                                            uuid.UUID(agent_id))
+            return bool(status == "working")
+        await eventually(working, timeout, f"agent {agent_id} never started working")
+
+    async def snapshot(self) -> dict[str, int]:
+        """Row counts of every table: bad input must leave them all unchanged."""
+        tables = [r["tablename"] for r in await self.db.fetch(
+            "SELECT tablename FROM pg_tables WHERE schemaname='public' ORDER BY tablename")]
+        counts = {}
+        for t in tables:
+            counts[t] = await self.db.fetchval(f'SELECT count(*) FROM "{t}"')
+        counts["_flags"] = await self.db.fetchval(
+            "SELECT count(*) FILTER (WHERE killed) FROM agents")
+        counts["_fleet"] = await self.db.fetchval(
+            "SELECT count(*) FILTER (WHERE fleet_killed) FROM organizations")
+        return counts
+
+
+async def _org(db: asyncpg.Pool, plane: Plane, name: str, roles: tuple[str, ...],
+               clients: list[httpx.AsyncClient]) -> Org:
+    org_id = uuid.uuid4()
+    await db.execute("INSERT INTO organizations (id, name) VALUES ($1, $2)", org_id, name)
+    password = hash_password("correct horse battery")
+    humans, org_clients = {}, {}
+    for role in roles:
+        human_id = uuid.uuid4()
+        await db.execute(
+            "INSERT INTO humans (id, org_id, email, password_hash, role) VALUES ($1,$2,$3,$4,$5)",
+            human_id, org_id, f"{role}@{name}.test", password, role,
+        )
+        token = new_token("cvt")
+        await db.execute("INSERT INTO api_tokens (token_hash, human_id, name) VALUES ($1,$2,$3)",
+                         token_hash(token), human_id, "tests")
+        client = httpx.AsyncClient(base_url=plane.url, timeout=30,
+                                   headers={"Authorization": f"Bearer {token}"})
+        clients.append(client)
+        humans[role], org_clients[role] = human_id, client
+    return Org(org_id, humans, org_clients)
+
+
+@asynccontextmanager
+async def make_world(plane: Plane) -> AsyncIterator[World]:
+    db = await asyncpg.create_pool(plane.database_url, min_size=1, max_size=4)
+    assert db is not None
+    clients: list[httpx.AsyncClient] = []
+    try:
+        org = await _org(db, plane, "acme", ROLES, clients)
+        other = await _org(db, plane, "globex", ("org_admin", "security"), clients)
+        anonymous = httpx.AsyncClient(base_url=plane.url, timeout=30)
+        clients.append(anonymous)
+        yield World(plane, db, org, other, anonymous, clients)
+    finally:
+        for c in clients:
+            await c.aclose()
+        await db.close()
