@@ -145,7 +145,7 @@ class Listener:
                 for channel in ("covey_wake", "covey_kill", "covey_events"):
                     await conn.add_listener(channel, self._on_notify)
                 closed = asyncio.Event()
-                conn.add_termination_listener(lambda _c: closed.set())
+                conn.add_termination_listener(lambda _c, ev=closed: ev.set())
                 self.ready.set()
                 while not closed.is_set():
                     try:
