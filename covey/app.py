@@ -32,7 +32,8 @@ log = structlog.get_logger(__name__)
 
 
 class BodyLimit:
-    """Refuse bodies over the limit with 413 before a handler sees them."""
+    """Refuse bodies over the limit with 413 before a handler sees them. A body without a
+    Content-Length is read up to the limit first, then handed on whole."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -43,23 +44,35 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._too_large(send)
+        if declared is not None:
+            if declared.isdigit() and int(declared) > self.max_bytes:
+                await self._too_large(send)
+                return
+            await self.app(scope, receive, send)
             return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
+        chunks: list[bytes] = []
+        size = 0
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise _TooLarge
-            return message
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large(send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
 
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await self._too_large(send)
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
 
     async def _too_large(self, send: Send) -> None:
         body = json.dumps(errors.error_body(
@@ -67,10 +80,6 @@ class BodyLimit:
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": body})
-
-
-class _TooLarge(Exception):
-    pass
 
 
 class EventStream:
@@ -206,7 +215,11 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
     @app.get("/healthz", tags=["system"])
     async def healthz(request: Request) -> dict[str, Any]:
         orch: Orchestrator = request.app.state.orchestrator
-        await orch.pool.fetchval("SELECT 1")
+        try:
+            await orch.pool.fetchval("SELECT 1", timeout=2)
+        except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+            raise errors.ApiError(503, "Database unreachable",
+                                  f"Kills cannot be recorded until it is back: {exc}") from None
         return {"ok": True, "node": orch.node, "version": __version__}
 
     @app.get("/metrics", tags=["system"], response_class=PlainTextResponse)
