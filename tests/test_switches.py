@@ -118,15 +118,13 @@ async def test_fleet_kill_stops_every_agent_and_notifies_admins_and_controlling(
 
 
 async def test_every_wake_path_is_refused_while_the_agent_is_killed(world: World) -> None:
-    hb = {"name": "hourly", "task_body": "work:0", "every_seconds": 1}
-    agent = await world.agent(heartbeats=[hb])
+    agent = await world.agent()
     await world.org_admin.post(f"/api/v1/agents/{agent['id']}/kill")
     await _assert_every_path_refused(world, agent)
 
 
 async def test_every_wake_path_is_refused_while_the_fleet_is_stopped(world: World) -> None:
-    hb = {"name": "hourly", "task_body": "work:0", "every_seconds": 1}
-    agent = await world.agent(heartbeats=[hb])
+    agent = await world.agent()
     await world.security.post("/api/v1/fleet/kill")
     # The agent's own flag is cleared: only the org's flag holds it now.
     await world.org_admin.post(f"/api/v1/agents/{agent['id']}/resume")
@@ -136,6 +134,10 @@ async def test_every_wake_path_is_refused_while_the_fleet_is_stopped(world: Worl
 
 async def _assert_every_path_refused(world: World, agent: dict) -> None:
     aid = agent["id"]
+    # Added while stopped, a heartbeat is due at once: only the switch keeps it from firing.
+    hb = {"name": "hourly", "task_body": "work:0", "every_seconds": 1}
+    r = await world.org_admin.post(f"/api/v1/agents/{aid}/heartbeats", json=hb)
+    assert r.status_code == 201, r.text
     before_sessions = await world.db.fetchval("SELECT count(*) FROM sessions")
     r = await world.org_admin.post(f"/api/v1/agents/{aid}/wake")
     assert (r.status_code, r.json()) == (409, STOPPED)
