@@ -1,0 +1,328 @@
+"""The guard around every tool call of an agent (DESIGN §2.4). Code, not prompt.
+
+Each layer raises a typed `Trip` naming the layer and a reason a human can act on. The guard
+is synchronous and allocation-light: it runs before every step and every tool call.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+Clock = Callable[[], float]
+
+
+class Trip(Exception):
+    """The agent must stop at the next safe boundary."""
+
+    layer = "guard"
+
+    def __init__(self, reason: str, **detail: Any) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class BudgetTrip(Trip):
+    layer = "budget"
+
+
+class StepLimitTrip(Trip):
+    layer = "steps"
+
+
+class LoopTrip(Trip):
+    layer = "loop"
+
+
+class CircuitOpenTrip(Trip):
+    layer = "circuit_breaker"
+
+
+class KillFlagTrip(Trip):
+    layer = "kill_flag"
+
+
+class LeaseExpiredTrip(KillFlagTrip):
+    """The flag store could not be asked in time: fail closed."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_cost_usd: float = 1.0
+    max_tokens: int = 200_000
+    max_tool_calls: int = 200
+    max_wall_s: float = 600.0
+    max_steps: int = 50
+    loop_window: int = 10
+    loop_repeats: int = 3  # identical calls within the window that trip
+    cycle_max_period: int = 3  # A,B,A,B is period 2
+    cycle_repeats: int = 2  # how many full periods in a row trip
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 30.0
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Limits:
+        known = {k: config[k] for k in cls.__dataclass_fields__ if k in config}
+        return cls(**known)
+
+
+_SPACES = re.compile(r"\s+")
+
+
+def _normalise(value: Any) -> Any:
+    if isinstance(value, str):
+        return _SPACES.sub(" ", value).strip()
+    if isinstance(value, dict):
+        return {str(k): _normalise(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_normalise(v) for v in value]
+    return value
+
+
+def fingerprint(tool: str, args: Mapping[str, Any]) -> int:
+    """Same tool, same arguments up to key order and whitespace: same fingerprint."""
+    canonical = json.dumps(_normalise(args), sort_keys=True, separators=(",", ":"),
+                           default=str)
+    return hash((tool, canonical))
+
+
+class LoopDetector:
+    """Identical calls in a sliding window, and short cycles (A,B,A,B)."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.window = limits.loop_window
+        self.repeats = limits.loop_repeats
+        self.max_period = limits.cycle_max_period
+        self.cycle_repeats = limits.cycle_repeats
+        self._recent: deque[int] = deque()
+        self._counts: Counter[int] = Counter()
+        self._tools: deque[str] = deque()
+
+    def observe(self, tool: str, print_: int) -> None:
+        """Record a call about to be made; trip if it closes a loop."""
+        self._recent.append(print_)
+        self._tools.append(tool)
+        self._counts[print_] += 1
+        if len(self._recent) > self.window:
+            old = self._recent.popleft()
+            self._tools.popleft()
+            self._counts[old] -= 1
+            if not self._counts[old]:
+                del self._counts[old]
+        seen = self._counts[print_]
+        if seen >= self.repeats:
+            raise LoopTrip(
+                f"repeated {tool} {seen} times with identical arguments",
+                tool=tool, repeats=seen, window=self.window)
+        self._check_cycles()
+
+    def _check_cycles(self) -> None:
+        recent = self._recent
+        n = len(recent)
+        for period in range(2, self.max_period + 1):
+            span = period * self.cycle_repeats
+            if n < span:
+                return
+            # The last `span` calls repeat with this period, and the period is not a
+            # shorter one repeated (which the identical-call check handles).
+            if all(recent[n - 1 - i] == recent[n - 1 - i - period]
+                   for i in range(span - period)):
+                tail = [recent[n - period + j] for j in range(period)]
+                if len(set(tail)) > 1:
+                    tools = [self._tools[n - period + j] for j in range(period)]
+                    raise LoopTrip(
+                        f"cycled through {', '.join(tools)} {self.cycle_repeats} times",
+                        cycle=tools, repeats=self.cycle_repeats)
+
+
+@dataclass
+class _Breaker:
+    state: str = "closed"  # closed | open | half_open
+    failures: int = 0
+    opened_at: float = 0.0
+    probe_in_flight: bool = False
+
+
+class CircuitBreakers:
+    """Per tool: closed → open after N consecutive failures → half-open after the cooldown,
+    when exactly one probe may pass; its outcome closes or reopens the circuit."""
+
+    def __init__(self, limits: Limits, clock: Clock) -> None:
+        self.failures = limits.breaker_failures
+        self.cooldown = limits.breaker_cooldown_s
+        self.clock = clock
+        self._breakers: dict[str, _Breaker] = {}
+
+    def state(self, tool: str) -> str:
+        b = self._breakers.get(tool)
+        return b.state if b else "closed"
+
+    def admit(self, tool: str) -> bool:
+        """May this call go through? Returns True when it is the half-open probe."""
+        b = self._breakers.get(tool)
+        if b is None or b.state == "closed":
+            return False
+        if b.state == "open":
+            waited = self.clock() - b.opened_at
+            if waited < self.cooldown:
+                raise CircuitOpenTrip(
+                    f"{tool} failed {b.failures} times in a row; circuit open for another "
+                    f"{self.cooldown - waited:.1f}s", tool=tool, failures=b.failures)
+            b.state = "half_open"
+        if b.probe_in_flight:
+            raise CircuitOpenTrip(f"{tool} is half-open and its one probe is in flight",
+                                  tool=tool)
+        b.probe_in_flight = True
+        return True
+
+    def record(self, tool: str, ok: bool, probe: bool) -> None:
+        b = self._breakers.setdefault(tool, _Breaker())
+        if probe:
+            b.probe_in_flight = False
+        if ok:
+            b.state, b.failures = "closed", 0
+            return
+        b.failures += 1
+        if probe or b.failures >= self.failures:
+            b.state, b.opened_at = "open", self.clock()
+
+
+@dataclass
+class KillFlag:
+    """The out-of-band flag: a lease the control plane renews, and stopped scopes.
+
+    Scopes are "global", "org:<id>", "agent:<id>" and "tool:<name>". Before the first renewal
+    and after the lease runs out, every check fails: the flag fails closed.
+    """
+
+    clock: Clock = time.monotonic
+    scopes: tuple[str, ...] = ("global",)
+    expires_at: float = float("-inf")
+    stopped: set[str] = field(default_factory=set)
+
+    def renew(self, ttl_s: float, stopped: set[str] | None = None) -> None:
+        self.expires_at = self.clock() + ttl_s
+        if stopped is not None:
+            self.stopped = set(stopped)
+
+    def stop(self, scope: str) -> None:
+        self.stopped.add(scope)
+
+    def check(self, tool: str | None = None) -> None:
+        now = self.clock()
+        if now > self.expires_at:
+            late = now - self.expires_at
+            raise LeaseExpiredTrip(
+                "kill-flag lease not renewed: flag store unreachable"
+                + ("" if math.isinf(late) else f" for {late * 1000:.0f} ms past expiry"),
+                failing_closed=True)
+        for scope in self.scopes:
+            if scope in self.stopped:
+                raise KillFlagTrip(f"kill flag set for {scope}", scope=scope)
+        if tool is not None and f"tool:{tool}" in self.stopped:
+            raise KillFlagTrip(f"kill flag set for tool {tool}", scope=f"tool:{tool}")
+
+
+@dataclass
+class Action:
+    tool: str
+    args: Mapping[str, Any]
+    ok: bool | None = None
+
+
+class Guard:
+    """All layers, in the order a step meets them."""
+
+    def __init__(self, limits: Limits, flag: KillFlag, clock: Clock = time.monotonic,
+                 prices: Mapping[str, tuple[float, float]] | None = None) -> None:
+        self.limits = limits
+        self.flag = flag
+        self.clock = clock
+        self.prices = dict(prices or {})
+        self.started = clock()
+        self.steps = 0
+        self.tool_calls = 0
+        self.cost_usd = 0.0
+        self.tokens = 0
+        self.loops = LoopDetector(limits)
+        self.breakers = CircuitBreakers(limits, clock)
+        self.history: deque[Action] = deque(maxlen=10)
+
+    def before_step(self) -> None:
+        self.flag.check()
+        elapsed = self.clock() - self.started
+        if elapsed > self.limits.max_wall_s:
+            raise BudgetTrip(f"ran {elapsed:.0f}s, over the {self.limits.max_wall_s:.0f}s "
+                             "wall-clock budget", elapsed_s=elapsed)
+        if self.steps >= self.limits.max_steps:
+            raise StepLimitTrip(f"reached the step limit of {self.limits.max_steps}",
+                                steps=self.steps)
+        self.steps += 1
+
+    def before_call(self, tool: str, args: Mapping[str, Any]) -> bool:
+        """Admit one tool call or trip. Returns whether it is a half-open probe (pass it
+        back to after_call)."""
+        self.flag.check(tool)
+        if self.tool_calls >= self.limits.max_tool_calls:
+            raise BudgetTrip(f"made {self.tool_calls} tool calls, the budget is "
+                             f"{self.limits.max_tool_calls}", tool_calls=self.tool_calls)
+        self.loops.observe(tool, fingerprint(tool, args))
+        probe = self.breakers.admit(tool)
+        self.tool_calls += 1
+        self.history.append(Action(tool, args))
+        return probe
+
+    def after_call(self, tool: str, ok: bool, probe: bool = False) -> None:
+        if self.history and self.history[-1].tool == tool:
+            self.history[-1].ok = ok
+        self.breakers.record(tool, ok, probe)
+
+    def charge_usage(self, model: str, prompt_tokens: Any, completion_tokens: Any) -> float:
+        """Price a model call from its reported usage (prices in USD per million tokens,
+        prompt and completion). Unknown prices are not free."""
+        price = self.prices.get(model)
+        if price is None:
+            raise BudgetTrip(f"model {model!r} has no known price; refusing to spend blind",
+                             model=model)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                   for t in (prompt_tokens, completion_tokens)):
+            raise BudgetTrip(f"model reported unusable token counts {prompt_tokens!r}/"
+                             f"{completion_tokens!r}", model=model)
+        usd: float = (prompt_tokens * price[0] + completion_tokens * price[1]) / 1_000_000
+        self.charge(usd, prompt_tokens + completion_tokens)
+        return usd
+
+    def charge(self, usd: float, tokens: int = 0) -> None:
+        if not isinstance(usd, int | float) or not math.isfinite(usd) or usd < 0:
+            raise BudgetTrip(f"cost {usd!r} is not a finite, non-negative amount", cost=usd)
+        if not isinstance(tokens, int) or tokens < 0:
+            raise BudgetTrip(f"token count {tokens!r} is not a non-negative integer")
+        self.cost_usd += usd
+        self.tokens += tokens
+        if self.cost_usd > self.limits.max_cost_usd:
+            raise BudgetTrip(f"spent ${self.cost_usd:.4f}, over the "
+                             f"${self.limits.max_cost_usd:.4f} budget", cost=self.cost_usd)
+        if self.tokens > self.limits.max_tokens:
+            raise BudgetTrip(f"used {self.tokens} tokens, over the {self.limits.max_tokens} "
+                             "token budget", tokens=self.tokens)
+
+    def snapshot(self, trip: Trip) -> dict[str, Any]:
+        """What a human needs to act on a trip."""
+        return {
+            "layer": trip.layer,
+            "reason": trip.reason,
+            "detail": trip.detail,
+            "cost_usd": round(self.cost_usd, 6),
+            "tokens": self.tokens,
+            "steps": self.steps,
+            "tool_calls": self.tool_calls,
+            "last_actions": [{"tool": a.tool, "args": dict(a.args), "ok": a.ok}
+                             for a in self.history],
+        }
