@@ -34,6 +34,7 @@ class Settings:
     daemon_command: list[str] = field(default_factory=lambda: ["coveyd"])
     sandbox_backend: str = "process"
     public_ws_url: str | None = None
+    model_url: str | None = None
     daemon_token_ttl_s: int = 60
     daemon_timeout_s: int = 15
     max_daemon_retries: int = 5
@@ -57,6 +58,7 @@ class Settings:
             daemon_command=command,
             sandbox_backend=backend,
             public_ws_url=env.get("COVEY_PUBLIC_WS_URL") or None,
+            model_url=env.get("COVEY_MODEL_URL") or None,
             daemon_token_ttl_s=_int_env(env, "COVEY_DAEMON_TOKEN_TTL_S", 60, 1),
             daemon_timeout_s=_int_env(env, "COVEY_DAEMON_TIMEOUT_S", 15, 1),
             max_daemon_retries=_int_env(env, "COVEY_MAX_DAEMON_RETRIES", 5, 0),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from uuid import UUID
@@ -22,12 +23,16 @@ class DaemonLink:
     agent_id: UUID
     sink: MessageSink
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    killed: bool = False
 
 
 class DaemonHub:
+    KILLS_REMEMBERED = 10_000
+
     def __init__(self) -> None:
         self._links: dict[UUID, DaemonLink] = {}
+        # Sessions this replica sent `kill` to, remembered past their disconnect: a daemon
+        # that obeys at once is gone before the second path (local call or NOTIFY) asks.
+        self._killed: OrderedDict[UUID, None] = OrderedDict()
 
     def attach(self, link: DaemonLink) -> None:
         self._links[link.session_id] = link
@@ -52,12 +57,14 @@ class DaemonHub:
     async def send_kill(self, session_id: UUID) -> bool:
         """Send `kill` once per session, however many paths (local call, NOTIFY) ask for it.
         True when this replica holds the daemon's connection and the kill went out."""
+        if session_id in self._killed:  # the other path got there first
+            return True
         link = self._links.get(session_id)
         if link is None:
             return False
-        if link.killed:  # the other path got there first; it has been sent
-            return True
-        link.killed = True
+        self._killed[session_id] = None
+        if len(self._killed) > self.KILLS_REMEMBERED:
+            self._killed.popitem(last=False)
         return await send_to(link, "kill", {"reason": "kill-switch", "sent_at_ns": time.time_ns()})
 
 

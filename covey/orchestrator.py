@@ -37,6 +37,44 @@ FLEET_KILLED_TITLE = (
 )
 
 
+LAYER_NAMES = {
+    "budget": "budget guard",
+    "steps": "step limit",
+    "loop": "loop detector",
+    "circuit_breaker": "circuit breaker",
+    "kill_flag": "kill flag",
+}
+
+
+@dataclass
+class GuardTripReport:
+    """A trip as the daemon reported it, checked: untrusted input, kept small."""
+
+    layer: str
+    reason: str
+    steps: int
+    detail: dict[str, Any]
+
+    @property
+    def layer_name(self) -> str:
+        return LAYER_NAMES[self.layer]
+
+    @classmethod
+    def parse(cls, reason: Any, trip: Any) -> GuardTripReport | None:
+        if not isinstance(trip, dict) or trip.get("layer") not in LAYER_NAMES:
+            return None
+        text = json.dumps(trip, default=str)
+        detail = trip if len(text) <= 50_000 else {k: trip.get(k) for k in
+                                                    ("layer", "reason", "cost_usd", "steps")}
+        steps = trip.get("steps")
+        return cls(
+            layer=str(trip["layer"]),
+            reason=str(trip.get("reason") or reason or "")[:300],
+            steps=steps if isinstance(steps, int) and steps >= 0 else 0,
+            detail=detail,
+        )
+
+
 @dataclass
 class WakeResult:
     outcome: str  # started | refused | busy | idle
@@ -188,6 +226,8 @@ class Orchestrator:
             "COVEY_AGENT_ID": str(agent_id),
             "COVEY_SANDBOX_ID": str(sandbox_id),
         }
+        if self.settings.model_url:
+            env["COVEY_MODEL_URL"] = self.settings.model_url
         try:
             await self.runner.start(env, sandbox_id, agent_id, session_id)
         except Exception as exc:
@@ -355,6 +395,60 @@ class Orchestrator:
             metrics.daemon_losses.labels("failed" if t["state"] == "failed" else "requeued").inc()
         log.warning("daemon lost", session_id=str(session_id), why=why)
         return [t["id"] for t in tasks]
+
+    async def guard_trip(self, session_id: UUID, task_id: UUID, fencing_token: int,
+                         trip: GuardTripReport) -> str | None:
+        """The daemon's own guard stopped the agent. Record it, alert with context, requeue
+        the task, and hold the agent (kill origin 'guard') so that nothing wakes it again on
+        its own: a human resume is needed. Returns why the report was refused, if it was."""
+        async with transaction(self.pool) as conn:
+            row = await conn.fetchrow(
+                """
+                SELECT s.state, s.agent_id, a.org_id, a.slug, a.display_name, a.owner_id,
+                       t.claimed_by, t.claim_token, t.state AS task_state
+                FROM sessions s JOIN agents a ON a.id=s.agent_id
+                JOIN backlog_tasks t ON t.id=$2 AND t.agent_id=s.agent_id
+                WHERE s.id=$1 FOR UPDATE OF s, a, t
+                """,
+                session_id, task_id,
+            )
+            if row is None:
+                return "unknown task"
+            if row["state"] not in LIVE:
+                return f"session is {row['state']}"
+            if (row["task_state"] != "in_progress" or row["claimed_by"] != session_id
+                    or row["claim_token"] != fencing_token):
+                return "stale fencing token"
+            await conn.execute(
+                "UPDATE sessions SET state='tripped', ended_at=now(), stop_layer=$2,"
+                " stop_reason=$3, steps=$4 WHERE id=$1",
+                session_id, trip.layer, trip.reason, trip.steps,
+            )
+            await conn.execute(
+                "UPDATE agents SET killed=true, kill_origin='guard', status='killed',"
+                " killed_at=now() WHERE id=$1 AND NOT killed",
+                row["agent_id"],
+            )
+            await requeue_in_progress(conn, "t.claimed_by=$1", [session_id],
+                                      f"guard trip: {trip.layer}")
+            await record(conn, row["agent_id"], session_id, "guard", "tripped", trip.detail)
+            recipients = await conn.fetchval(
+                "SELECT COALESCE(array_agg(id), '{}') FROM humans WHERE org_id=$1"
+                " AND (role IN ('org_admin','security') OR id=$2)",
+                row["org_id"], row["owner_id"],
+            )
+            title = (f"Agent {row['display_name']} ({row['slug']}) stopped by the "
+                     f"{trip.layer_name}: {trip.reason}")
+            await conn.execute(
+                "INSERT INTO notifications (org_id, class, kind, title, link, recipients)"
+                " VALUES ($1, 'guard', 'agent_tripped', $2, $3, $4)",
+                row["org_id"], title[:500], f"/administration#agent-{row['agent_id']}",
+                recipients,
+            )
+            await emit_status(conn, row["org_id"], row["agent_id"], "killed")
+        log.warning("guard trip", agent_id=str(row["agent_id"]), layer=trip.layer,
+                    reason=trip.reason)
+        return None
 
     async def sandbox_exited(self, sandbox_id: UUID, session_id: UUID, code: int) -> None:
         await self.session_lost(session_id, f"daemon exited with code {code}")

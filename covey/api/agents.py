@@ -37,7 +37,7 @@ router = APIRouter(prefix="/api/v1/agents", tags=["agents"])
 AGENT_COLUMNS = """
     a.id, a.org_id, a.slug, a.display_name, a.owner_id, a.status, a.killed, a.kill_origin,
     o.fleet_killed, a.warm_sandbox, a.budget_usd::float8 AS budget_usd, a.max_turns, a.model,
-    a.created_at
+    a.guard, a.created_at
 """
 TASK_COLUMNS = """
     id, agent_id, title, body, state, priority, origin, daemon_retries, result, created_at,
@@ -130,10 +130,11 @@ async def create_agent(body: AgentIn, who: Manage, orch: Orch) -> AgentCreatedOu
         try:
             await conn.execute(
                 "INSERT INTO agents (id, org_id, slug, display_name, owner_id, warm_sandbox,"
-                " budget_usd, max_turns, model, trigger_token_hash)"
-                " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+                " budget_usd, max_turns, model, trigger_token_hash, guard)"
+                " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
                 agent_id, who.org_id, body.slug, body.display_name, owner, body.warm_sandbox,
                 body.budget_usd, body.max_turns, body.model, token_hash(trigger),
+                body.guard.model_dump(exclude_none=True),
             )
         except asyncpg.UniqueViolationError:
             raise ApiError(409, "An agent with that slug exists",

@@ -15,7 +15,7 @@ import structlog
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from covey.hub import DaemonLink, send_to
-from covey.orchestrator import Orchestrator, record
+from covey.orchestrator import LAYER_NAMES, GuardTripReport, Orchestrator, record
 from covey.security import token_hash
 
 log = structlog.get_logger(__name__)
@@ -118,7 +118,8 @@ async def daemon_ws(ws: WebSocket) -> None:
         await _reject(ws, *refused)
         return
     session = await orch.pool.fetchrow(
-        "SELECT s.id, s.state, a.model, a.budget_usd::float8 AS budget_usd, a.max_turns"
+        "SELECT s.id, s.state, a.org_id, a.model, a.budget_usd::float8 AS budget_usd,"
+        " a.max_turns, a.guard"
         " FROM sessions s JOIN agents a ON a.id=s.agent_id WHERE s.sandbox_id=$1",
         sandbox_id,
     )
@@ -146,7 +147,9 @@ async def _serve(orch: Orchestrator, ws: WebSocket, link: DaemonLink,
     else:
         await send_to(link, "inject_config", {
             "agent_id": str(link.agent_id),
+            "org_id": str(session["org_id"]),
             "session_id": str(link.session_id),
+            "guard": session["guard"],
             "model": session["model"],
             "budget_usd": session["budget_usd"],
             "max_turns": session["max_turns"],
@@ -201,6 +204,19 @@ async def _handle(orch: Orchestrator, link: DaemonLink, kind: str, payload: dict
                 " VALUES ($1, $2, $3, $4)", link.agent_id, link.session_id, usd, tokens)
             await conn.execute("UPDATE sessions SET cost_usd=cost_usd+$2 WHERE id=$1",
                                link.session_id, usd)
+        return
+    if kind == "blocked" and "trip" in payload:
+        task_id = _uuid(payload, "task_id")
+        fencing = payload.get("fencing_token")
+        trip = GuardTripReport.parse(payload.get("reason"), payload.get("trip"))
+        if trip is None or not isinstance(fencing, int) or isinstance(fencing, bool):
+            raise ProtocolError("blocked with a trip needs fencing_token and trip.layer",
+                                f"layers: {', '.join(LAYER_NAMES)}")
+        why = await orch.guard_trip(link.session_id, task_id, fencing, trip)
+        if why is not None:
+            await send_to(link, "error", {"error": "Trip report rejected", "hint": why})
+            return
+        await send_to(link, "sleep", {"reason": "guard-trip"})
         return
     if kind in ("task_done", "blocked"):
         task_id = _uuid(payload, "task_id")

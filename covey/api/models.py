@@ -71,6 +71,20 @@ class HeartbeatOut(BaseModel):
     last_fired_at: datetime | None
 
 
+class GuardIn(Strict):
+    """Per-agent guard thresholds; what is left out takes the daemon's default."""
+
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_tool_calls: StrictInt | None = Field(default=None, ge=1)
+    max_wall_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    loop_window: StrictInt | None = Field(default=None, ge=2, le=1000)
+    loop_repeats: StrictInt | None = Field(default=None, ge=2, le=1000)
+    cycle_max_period: StrictInt | None = Field(default=None, ge=2, le=20)
+    cycle_repeats: StrictInt | None = Field(default=None, ge=2, le=100)
+    breaker_failures: StrictInt | None = Field(default=None, ge=1, le=1000)
+    breaker_cooldown_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+
+
 class AgentIn(Strict):
     slug: StrictStr = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9-]*$")
     display_name: StrictStr = Field(min_length=1, max_length=200)
@@ -80,6 +94,7 @@ class AgentIn(Strict):
     max_turns: StrictInt = Field(default=20, ge=1, le=10_000)
     model: StrictStr = Field(default="puppet", min_length=1, max_length=200)
     heartbeats: list[HeartbeatIn] = Field(default_factory=list, max_length=50)
+    guard: GuardIn = Field(default_factory=GuardIn)
 
 
 class AgentOut(BaseModel):
@@ -96,6 +111,7 @@ class AgentOut(BaseModel):
     budget_usd: float
     max_turns: int
     model: str
+    guard: dict[str, Any]
     created_at: datetime
 
 

@@ -54,9 +54,9 @@ class Plane:
 
 @asynccontextmanager
 async def start_plane(database_url: str, data_dir: Path, daemon_command: list[str],
-                      tick_ms: int = 300, lease_ms: int = 2000, **overrides: Any
-                      ) -> AsyncIterator[Plane]:
-    port = free_port()
+                      tick_ms: int = 300, lease_ms: int = 2000, port: int | None = None,
+                      **overrides: Any) -> AsyncIterator[Plane]:
+    port = port or free_port()
     settings = Settings(database_url=database_url, data_dir=data_dir, tick_ms=tick_ms,
                         lease_ms=lease_ms, daemon_command=daemon_command, **overrides)
     app = create_app(settings, host="127.0.0.1", port=port)

@@ -1,0 +1,301 @@
+"""coveyd: the sandbox daemon (DESIGN §2.4).
+
+It dials out to the control plane, says `ready`, and works the tasks it is given with a
+tool-calling loop against an OpenAI-compatible chat-completions endpoint, every tool call
+passing through the guard. Exit codes: 0 clean sleep, 1 error, 2 stopped by its own guard,
+3 kill switch (a `kill` message, or the kill-flag lease running out: fail closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import websockets
+from websockets.asyncio.client import ClientConnection
+
+from covey import __version__
+from covey.guard import Guard, KillFlag, LeaseExpiredTrip, Limits, Trip
+from covey.tools import SCHEMAS, Toolbox
+
+log = logging.getLogger("coveyd")
+
+EXIT_SLEEP, EXIT_ERROR, EXIT_TRIPPED, EXIT_KILLED = 0, 1, 2, 3
+
+# USD per million tokens (prompt, completion). A model missing here trips the budget layer.
+DEFAULT_PRICES: dict[str, tuple[float, float]] = {
+    "puppet": (1.0, 2.0),
+    "gpt-4o-mini": (0.15, 0.60),
+    "gpt-4o": (2.50, 10.00),
+}
+
+SYSTEM_PROMPT = (
+    "You are an agent working one task in a sandbox. Use the tools; call finish with the "
+    "result when the task is done."
+)
+
+
+class DaemonError(Exception):
+    """A failure that ends the daemon with exit code 1 and this message."""
+
+
+@dataclass
+class Env:
+    ws_url: str
+    token: str
+    agent_id: str
+    sandbox_id: str
+    model_url: str
+    model_key: str
+    prices: dict[str, tuple[float, float]]
+    home: Path
+
+    @classmethod
+    def load(cls) -> Env:
+        missing = [k for k in ("COVEY_WS_URL", "COVEY_DAEMON_TOKEN", "COVEY_AGENT_ID")
+                   if not os.environ.get(k)]
+        if missing:
+            raise DaemonError(f"missing environment: {', '.join(missing)}")
+        prices = dict(DEFAULT_PRICES)
+        raw = os.environ.get("COVEY_MODEL_PRICES")
+        if raw:
+            try:
+                prices.update({k: (float(v[0]), float(v[1])) for k, v in json.loads(raw).items()})
+            except (ValueError, TypeError, IndexError, AttributeError) as exc:
+                raise DaemonError(f"COVEY_MODEL_PRICES is not {{model: [in, out]}}: {exc}"
+                                  ) from None
+        return cls(
+            ws_url=os.environ["COVEY_WS_URL"],
+            token=os.environ["COVEY_DAEMON_TOKEN"],
+            agent_id=os.environ["COVEY_AGENT_ID"],
+            sandbox_id=os.environ.get("COVEY_SANDBOX_ID", ""),
+            model_url=os.environ.get("COVEY_MODEL_URL", "http://127.0.0.1:11434/v1").rstrip("/"),
+            model_key=os.environ.get("COVEY_MODEL_API_KEY", "none"),
+            prices=prices,
+            home=Path(os.environ.get("HOME", ".")).resolve(),
+        )
+
+
+@dataclass
+class Outcome:
+    result: str | None = None
+    trip: Trip | None = None
+
+
+@dataclass
+class Daemon:
+    env: Env
+    ws: ClientConnection
+    http: httpx.AsyncClient
+    flag: KillFlag = field(default_factory=KillFlag)
+    config: dict[str, Any] = field(default_factory=dict)
+    work: asyncio.Task[None] | None = None
+    guard_state: dict[str, Any] = field(default_factory=dict)
+    exit_code: asyncio.Future[int] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    async def send(self, kind: str, payload: dict[str, Any]) -> None:
+        await self.ws.send(json.dumps({"type": kind, "payload": payload}, default=str))
+
+    def finish(self, code: int) -> None:
+        if not self.exit_code.done():
+            self.exit_code.set_result(code)
+
+    def kill(self, why: str) -> None:
+        """Stop at once: no safe boundary, no report. The run's tool calls die with it."""
+        if self.work is not None:
+            self.work.cancel()
+        log.warning("kill switch: %s", why)
+        log.warning("daemon terminates immediately")
+        self.finish(EXIT_KILLED)
+
+    async def read(self) -> None:
+        async for raw in self.ws:
+            try:
+                message = json.loads(raw)
+                kind, payload = message["type"], message.get("payload") or {}
+            except (ValueError, KeyError, TypeError):
+                log.error("unreadable message from the control plane: %.200s", raw)
+                continue
+            if kind == "kill":
+                self.kill(f"reason {payload.get('reason', '?')}")
+                return
+            if kind == "sleep":
+                log.info("told to sleep%s", f" ({payload['reason']})" if "reason" in payload
+                         else "")
+                self.finish(EXIT_TRIPPED if payload.get("reason") == "guard-trip"
+                            else EXIT_SLEEP)
+                return
+            if kind == "lease":
+                self.flag.renew(float(payload.get("ttl_ms", 0)) / 1000,
+                                set(payload.get("stopped", [])))
+            elif kind == "inject_config":
+                self.config = payload
+            elif kind == "assign_task":
+                if self.work is not None and not self.work.done():
+                    log.error("assign_task while a task is running; ignored")
+                    continue
+                self.work = asyncio.create_task(self.run_task(payload))
+                self.work.add_done_callback(self.on_task_end)
+            elif kind == "error":
+                log.warning("control plane says: %s (%s)", payload.get("error"),
+                            payload.get("hint"))
+        log.error("control channel closed by the control plane")
+        self.finish(EXIT_ERROR)
+
+    def on_task_end(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        log.error("%s", exc if isinstance(exc, DaemonError) else repr(exc))
+        self.finish(EXIT_ERROR)
+
+    async def watch_lease(self) -> None:
+        """The flag fails closed even while a tool call blocks the loop's own checks.
+        Idle between tasks there is nothing to stop; the next step checks the flag first."""
+        while not self.exit_code.done():
+            try:
+                if self.work is not None and not self.work.done():
+                    self.flag.check()
+            except LeaseExpiredTrip as trip:
+                self.kill(f"{trip.reason}; failing closed")
+                return
+            await asyncio.sleep(0.05)
+
+    async def run_task(self, task: dict[str, Any]) -> None:
+        outcome = await self.engine(task)
+        ids = {"task_id": task["task_id"], "fencing_token": task["fencing_token"]}
+        if outcome.trip is not None:
+            await self.send("blocked", {**ids, "reason": outcome.trip.reason,
+                                        "trip": self.guard_state})
+        else:
+            await self.send("task_done", {**ids, "result": outcome.result or ""})
+
+    def make_guard(self) -> Guard:
+        limits = dict(self.config.get("guard") or {})
+        limits.setdefault("max_cost_usd", float(self.config.get("budget_usd", 1.0)))
+        limits.setdefault("max_steps", int(self.config.get("max_turns", 20)))
+        self.flag.scopes = ("global", f"org:{self.config.get('org_id', '')}",
+                            f"agent:{self.env.agent_id}")
+        return Guard(Limits.from_config(limits), self.flag, prices=self.env.prices)
+
+    async def engine(self, task: dict[str, Any]) -> Outcome:
+        guard = self.make_guard()
+        model = str(self.config.get("model", "puppet"))
+        toolbox = Toolbox(self.env.home, self.http)
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": f"{task.get('title', '')}\n\n{task.get('body', '')}"},
+        ]
+        try:
+            while True:
+                guard.before_step()
+                reply = await self.chat(model, messages)
+                usage = reply.get("usage") or {}
+                usd = guard.charge_usage(model, usage.get("prompt_tokens"),
+                                         usage.get("completion_tokens"))
+                await self.send("cost", {"usd": usd, "tokens": usage.get("total_tokens") or 0})
+                message = reply["choices"][0]["message"]
+                messages.append(message)
+                calls = message.get("tool_calls") or []
+                if not calls:
+                    return Outcome(result=message.get("content") or "")
+                for call in calls:
+                    name = call["function"]["name"]
+                    try:
+                        args = json.loads(call["function"].get("arguments") or "{}")
+                        if not isinstance(args, dict):
+                            raise ValueError("arguments must be an object")
+                    except ValueError as exc:
+                        messages.append({"role": "tool", "tool_call_id": call["id"],
+                                         "content": json.dumps({"error": f"bad arguments: "
+                                                                         f"{exc}"})})
+                        continue
+                    probe = guard.before_call(name, args)
+                    if name == "finish":
+                        guard.after_call(name, True, probe)
+                        return Outcome(result=str(args.get("result", "")))
+                    result, ok = await toolbox.run(name, args)
+                    guard.after_call(name, ok, probe)
+                    await self.send("event", {"kind": "tool", "status": "ok" if ok else "failed",
+                                              "detail": {"tool": name, "args": args}})
+                    messages.append({"role": "tool", "tool_call_id": call["id"],
+                                     "content": json.dumps(result)})
+        except LeaseExpiredTrip as trip:
+            self.kill(f"{trip.reason}; failing closed")  # cancels this very task
+            raise asyncio.CancelledError from trip
+        except Trip as trip:
+            self.guard_state = guard.snapshot(trip)
+            log.warning("guard tripped: %s: %s", trip.layer, trip.reason)
+            return Outcome(trip=trip)
+
+    async def chat(self, model: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        try:
+            r = await self.http.post(
+                f"{self.env.model_url}/chat/completions",
+                headers={"Authorization": f"Bearer {self.env.model_key}",
+                         "X-Covey-Agent": self.env.agent_id},
+                json={"model": model, "messages": messages, "tools": SCHEMAS}, timeout=120)
+            r.raise_for_status()
+            reply: dict[str, Any] = r.json()
+            reply["choices"][0]["message"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+            raise DaemonError(f"model endpoint failed: {type(exc).__name__}: {exc}") from None
+        return reply
+
+
+async def run(env: Env) -> int:
+    headers = {"Authorization": f"Bearer {env.token}"}
+    try:
+        ws = await websockets.connect(env.ws_url, additional_headers=headers, open_timeout=10,
+                                      ping_interval=5, ping_timeout=5, close_timeout=2)
+    except (OSError, websockets.WebSocketException, TimeoutError) as exc:
+        raise DaemonError(f"cannot reach the control plane at {env.ws_url}: {exc}") from None
+    async with ws, httpx.AsyncClient() as http:
+        daemon = Daemon(env, ws, http)
+        await daemon.send("ready", {"agent_id": env.agent_id, "sandbox_id": env.sandbox_id,
+                                    "version": __version__, "pid": os.getpid()})
+        reader = asyncio.create_task(daemon.read())
+        watchdog = asyncio.create_task(daemon.watch_lease())
+
+        reader.add_done_callback(daemon.on_task_end)
+        started = time.monotonic()
+        code = await daemon.exit_code
+        if code == EXIT_KILLED:
+            # No closing handshake: the channel may be the very thing that is cut.
+            ws.transport.abort()
+        for task in (reader, watchdog, daemon.work):
+            if task is not None:
+                task.cancel()
+        if daemon.work is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await daemon.work
+        log.info("exiting with %d after %.1fs", code, time.monotonic() - started)
+        return code
+
+
+def main() -> None:
+    logging.basicConfig(stream=sys.stderr, level=os.environ.get("COVEY_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s coveyd %(levelname)s %(message)s")
+    try:
+        env = Env.load()
+        code = asyncio.run(run(env))
+    except DaemonError as exc:
+        log.error("%s", exc)
+        code = EXIT_ERROR
+    except KeyboardInterrupt:
+        code = EXIT_ERROR
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""End to end in processes: the real control plane starts the real `coveyd` per sandbox,
+which works tasks against a scripted OpenAI-compatible endpoint through its guard."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+
+from tests.support.plane import Plane, World, eventually, free_port, make_world, start_plane
+from tests.support.scripted_model import create_model
+from tests.support.tcp_proxy import CuttableProxy
+
+COVEYD = [sys.executable, "-m", "covey.coveyd"]
+
+
+@asynccontextmanager
+async def scripted_model() -> AsyncIterator[tuple[str, dict[str, list[dict[str, Any]]]]]:
+    app, ledger = create_model()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    serving = asyncio.create_task(server.serve())
+
+    async def started() -> bool:
+        return server.started
+    await eventually(started, 10, "scripted model did not start")
+    try:
+        yield f"http://127.0.0.1:{port}/v1", ledger
+    finally:
+        server.should_exit = True
+        await serving
+
+
+@pytest.fixture
+async def model() -> AsyncIterator[tuple[str, dict[str, list[dict[str, Any]]]]]:
+    async with scripted_model() as m:
+        yield m
+
+
+@pytest.fixture
+async def cworld(database_url: str, tmp_path: Path,
+                 model: tuple[str, dict[str, Any]]) -> AsyncIterator[World]:
+    async with start_plane(database_url, tmp_path, COVEYD, model_url=model[0]) as plane, \
+            make_world(plane) as world:
+        yield world
+
+
+async def _sandbox(world: World, agent_id: str) -> dict[str, Any]:
+    async def gone() -> dict[str, Any] | None:
+        rows = (await world.org_admin.get(f"/api/v1/agents/{agent_id}/sandboxes")).json()
+        done = [s for s in rows if s["state"] == "gone"]
+        return done[-1] if done else None
+    return await eventually(gone, 20, "sandbox never went away")
+
+
+def _daemon_log(plane: Plane, sandbox_id: str) -> str:
+    return (plane.data_dir / "logs" / f"{sandbox_id}.log").read_text()
+
+
+async def test_an_agent_works_a_task_and_falls_asleep(cworld: World) -> None:
+    agent = await cworld.agent()
+    task = await cworld.task(agent["id"], "model:well_behaved")
+    await cworld.wait_task(task["id"], "done")
+    detail = (await cworld.org_admin.get(
+        f"/api/v1/agents/{agent['id']}/tasks/{task['id']}")).json()
+    assert detail["result"] == "wrote notes.txt"
+    sandbox = await _sandbox(cworld, agent["id"])
+    assert sandbox["exit_code"] == 0
+    rec = (await cworld.org_admin.get(f"/api/v1/agents/{agent['id']}/recording")).json()
+    assert [e["detail"]["tool"] for e in rec if e["kind"] == "tool"] == ["write_file", "shell"]
+    cost = await cworld.db.fetchval("SELECT sum(usd) FROM cost_entries WHERE agent_id=$1",
+                                    uuid.UUID(agent["id"]))
+    assert cost > 0
+
+
+async def test_a_kill_ends_the_daemon_with_code_3(
+        cworld: World, model: tuple[str, dict[str, list[dict[str, Any]]]]) -> None:
+    ledger = model[1]
+    agent = await cworld.agent()
+    task = await cworld.task(agent["id"], "model:silent")
+
+    async def busy() -> bool:
+        return len(ledger[agent["id"]]) >= 3
+    await eventually(busy, 20, "the agent never got going")
+    r = await cworld.security.post(f"/api/v1/agents/{agent['id']}/kill")
+    acknowledged_ns = time.time_ns()
+    assert r.status_code == 200
+    sandbox = await _sandbox(cworld, agent["id"])
+    assert sandbox["exit_code"] == 3
+    log = _daemon_log(cworld.plane, sandbox["id"])
+    assert "kill switch" in log and "daemon terminates immediately" in log
+    assert await cworld.task_state(task["id"]) == "open"
+    # Nothing the agent asked its model for began after the kill was acknowledged.
+    assert [e for e in ledger[agent["id"]] if e["at_ns"] > acknowledged_ns] == []
+
+
+@pytest.mark.parametrize(("behaviour", "layer", "title"), [
+    ("identical_loop", "loop", "stopped by the loop detector: repeated shell 3 times with "
+                               "identical arguments"),
+    ("ab_cycle", "loop", "stopped by the loop detector: cycled through read_file, "
+                         "write_file 2 times"),
+    ("runaway_spend", "budget", "stopped by the budget guard: spent $"),
+    ("failing_tool_hammer", "circuit_breaker", "stopped by the circuit breaker: http_request "
+                                               "failed 3 times in a row"),
+])
+async def test_a_guard_trip_stops_records_alerts_and_holds_the_agent(
+        cworld: World, behaviour: str, layer: str, title: str) -> None:
+    # A large token budget, so that the dollar budget is the one a runaway spend meets.
+    agent = await cworld.agent(slug=f"bot-{behaviour.replace('_', '-')}",
+                               guard={"max_tokens": 10_000_000})
+    task = await cworld.task(agent["id"], f"model:{behaviour}")
+    sandbox = await _sandbox(cworld, agent["id"])
+    assert sandbox["exit_code"] == 2
+    assert await cworld.task_state(task["id"]) == "open"
+    got = (await cworld.auditor.get(f"/api/v1/agents/{agent['id']}")).json()
+    assert (got["killed"], got["kill_origin"]) == (True, "guard")
+    rec = (await cworld.auditor.get(f"/api/v1/agents/{agent['id']}/recording")).json()
+    trips = [e for e in rec if e["kind"] == "guard" and e["status"] == "tripped"]
+    assert len(trips) == 1 and trips[0]["detail"]["layer"] == layer
+    assert trips[0]["detail"]["last_actions"], "the trip captured no actions"
+    notes = (await cworld.org_admin.get("/api/v1/notifications")).json()
+    titles = [n["title"] for n in notes if n["kind"] == "agent_tripped"]
+    assert len(titles) == 1 and title in titles[0], titles
+    assert agent["slug"] in titles[0]
+    # Not woken again on its own for the same input.
+    await asyncio.sleep(1.5)
+    assert await cworld.db.fetchval("SELECT count(*) FROM sessions WHERE agent_id=$1",
+                                    uuid.UUID(agent["id"])) == 1
+    # A human resume lets it run again.
+    r = await cworld.org_admin.post(f"/api/v1/agents/{agent['id']}/resume")
+    assert r.json()["agents_woken"] == [agent["id"]]
+
+
+async def test_cutting_the_control_channel_stops_the_agent_within_the_lease(
+        database_url: str, tmp_path: Path,
+        model: tuple[str, dict[str, list[dict[str, Any]]]]) -> None:
+    port = free_port()
+    lease_s = 1.0
+    async with CuttableProxy("127.0.0.1", port) as proxy:
+        async with start_plane(database_url, tmp_path, COVEYD, model_url=model[0],
+                               lease_ms=int(lease_s * 1000), port=port,
+                               public_ws_url=f"ws://127.0.0.1:{proxy.port}/api/daemon/ws"
+                               ) as plane, make_world(plane) as world:
+            agent = await world.agent()
+            await world.task(agent["id"], "model:silent")
+
+            async def busy() -> bool:
+                return len(model[1][agent["id"]]) >= 2
+            await eventually(busy, 20, "the agent never got going")
+            proxy.cut()
+            cut_at = time.monotonic()
+            handles = await world.db.fetch(
+                "SELECT handle FROM sandboxes WHERE agent_id=$1 AND state='running'",
+                uuid.UUID(agent["id"]))
+            assert len(handles) == 1
+            pid = int(handles[0]["handle"])
+
+            async def exited() -> bool:
+                return _exited(pid)
+            await eventually(exited, lease_s + 10, "the daemon kept running after the cut",
+                             interval=0.01)
+            stopped_after = time.monotonic() - cut_at
+            sandbox = await _sandbox(world, agent["id"])
+            assert sandbox["exit_code"] == 3
+            assert "failing closed" in _daemon_log(plane, sandbox["id"])
+            # Generous on a shared 2-core machine: the lease plus a margin.
+            assert stopped_after < lease_s + 1.5, stopped_after
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie waiting for the control plane to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
