@@ -184,8 +184,8 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
         ws_url = settings.public_ws_url or f"ws://{host}:{port}/api/daemon/ws"
         orch = Orchestrator(pool, settings, DaemonHub(), node, ws_url)
         provider = ProcessProvider(settings.daemon_command, settings.data_dir / "logs")
-        orch.runner = Runner(pool, provider, settings.data_dir / "homes", settings.kill_grace_s,
-                             orch.sandbox_exited)
+        orch.runner = Runner(pool, provider, settings.data_dir, node, settings.kill_grace_s,
+                             orch.sandbox_exited, settings.warm_sync_s, settings.warm_idle_s)
         app.state.orchestrator = orch
         listener = Listener(url, orch, events)
         loops = [

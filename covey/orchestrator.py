@@ -162,7 +162,7 @@ class Orchestrator:
         async with transaction(self.pool) as conn:
             row = await conn.fetchrow(
                 """
-                SELECT a.id, a.org_id, a.killed, o.fleet_killed
+                SELECT a.id, a.org_id, a.killed, o.fleet_killed, a.warm_sandbox
                 FROM agents a JOIN organizations o ON o.id=a.org_id
                 WHERE a.id=$1
                 FOR UPDATE OF a FOR SHARE OF o
@@ -193,14 +193,33 @@ class Orchestrator:
             if not work["has_work"]:
                 metrics.wakes.labels(path, "idle").inc()
                 return WakeResult("idle")
-            session_id, sandbox_id = uuid4(), uuid4()
+            session_id = uuid4()
             token = new_token("cvd")
+            ttl = float(self.settings.daemon_token_ttl_s)
+            # A warm sandbox parked on another node would later sync an older home over
+            # this session's: it goes, its unsynced work with it.
             await conn.execute(
-                "INSERT INTO sandboxes (id, agent_id, backend, daemon_token_hash,"
-                " token_expires_at) VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5))",
-                sandbox_id, agent_id, self._backend, token_hash(token),
-                float(self.settings.daemon_token_ttl_s),
+                "UPDATE sandboxes SET state='evicted', ended_at=now() WHERE agent_id=$1"
+                " AND state='parked' AND node<>$2", agent_id, self.node)
+            sandbox_id = await conn.fetchval(
+                """
+                UPDATE sandboxes SET state='starting', daemon_token_hash=$3, token_used=false,
+                       token_expires_at=now() + make_interval(secs => $4), parked_at=NULL
+                WHERE id = (SELECT id FROM sandboxes WHERE agent_id=$1 AND state='parked'
+                            AND node=$2 ORDER BY created_at DESC LIMIT 1 FOR UPDATE)
+                RETURNING id
+                """,
+                agent_id, self.node, token_hash(token), ttl,
             )
+            reuse = sandbox_id is not None
+            if sandbox_id is None:
+                sandbox_id = uuid4()
+                await conn.execute(
+                    "INSERT INTO sandboxes (id, agent_id, backend, daemon_token_hash,"
+                    " token_expires_at, node)"
+                    " VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5), $6)",
+                    sandbox_id, agent_id, self._backend, token_hash(token), ttl, self.node,
+                )
             await conn.execute(
                 "INSERT INTO sessions (id, agent_id, sandbox_id, node) VALUES ($1, $2, $3, $4)",
                 session_id, agent_id, sandbox_id, self.node,
@@ -209,7 +228,8 @@ class Orchestrator:
             await record(conn, agent_id, session_id, "session", "started", {"path": path})
             await emit_status(conn, row["org_id"], agent_id, "triggered")
         metrics.wakes.labels(path, "started").inc()
-        await self._start_sandbox(agent_id, session_id, sandbox_id, token)
+        await self._start_sandbox(agent_id, session_id, sandbox_id, token,
+                                  bool(row["warm_sandbox"]), reuse)
         return WakeResult("started", session_id)
 
     @property
@@ -217,7 +237,7 @@ class Orchestrator:
         return self.runner.backend if self.runner else "none"
 
     async def _start_sandbox(self, agent_id: UUID, session_id: UUID, sandbox_id: UUID,
-                             token: str) -> None:
+                             token: str, warm: bool, reuse: bool) -> None:
         if self.runner is None:
             return
         env = {
@@ -229,7 +249,7 @@ class Orchestrator:
         if self.settings.model_url:
             env["COVEY_MODEL_URL"] = self.settings.model_url
         try:
-            await self.runner.start(env, sandbox_id, agent_id, session_id)
+            await self.runner.start(env, sandbox_id, agent_id, session_id, warm, reuse)
         except Exception as exc:
             log.error("sandbox failed to start", agent_id=str(agent_id), error=str(exc))
             await self.session_lost(session_id, f"sandbox failed to start: {exc}")
@@ -450,8 +470,12 @@ class Orchestrator:
                     reason=trip.reason)
         return None
 
-    async def sandbox_exited(self, sandbox_id: UUID, session_id: UUID, code: int) -> None:
+    async def sandbox_exited(self, sandbox_id: UUID, session_id: UUID, code: int) -> bool:
+        """Settle the session of a sandbox whose daemon exited; True if it had ended cleanly
+        (told to sleep), so that its home is worth syncing or parking."""
         await self.session_lost(session_id, f"daemon exited with code {code}")
+        state = await self.pool.fetchval("SELECT state FROM sessions WHERE id=$1", session_id)
+        return bool(state == "ended")
 
     # ---------------------------------------------------------------- switches
 
@@ -701,6 +725,8 @@ class Orchestrator:
         ids = {r["agent_id"] for r in fired} | {r["id"] for r in waiting}
         if ids:
             await self.wake_many(sorted(ids), "tick")
+        if self.runner is not None:
+            await self.runner.maintain_parked()
 
     async def renew_leases(self) -> None:
         """Renew the lease of every daemon connected here whose agent may still run.

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
-from uuid import UUID
+from uuid import UUID, uuid4
 
 import structlog
 
@@ -90,11 +91,40 @@ class ProcessProvider:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-ExitCallback = Callable[[UUID, UUID, int], Awaitable[None]]
+# Told that a sandbox's daemon exited, the orchestrator settles the session and answers
+# whether it ended cleanly (a real falling-asleep, whose home is worth keeping).
+ExitCallback = Callable[[UUID, UUID, int], Awaitable[bool]]
+
+EVIDENCE_KEPT = 5  # homes of killed or lost sandboxes kept per agent, newest first
+
+
+def _copy_home(src: Path, dst: Path) -> None:
+    if src.is_dir():
+        shutil.copytree(src, dst, symlinks=True)
+    else:
+        dst.mkdir(parents=True)
+
+
+def _replace_home(src: Path, home: Path) -> None:
+    """Make `home` a copy of `src`, never leaving it half-written: copy beside, then swap."""
+    staging = home.with_name(f"{home.name}.sync-{uuid4().hex[:8]}")
+    _copy_home(src, staging)
+    trash = home.with_name(f"{home.name}.old-{uuid4().hex[:8]}")
+    if home.exists():
+        home.rename(trash)
+    staging.rename(home)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 class Runner:
-    """Starts sandboxes for sessions, watches them, and tears them down on a kill.
+    """The sandbox lifecycle, the same for every backend (DESIGN §2.5).
+
+    An agent's home (`homes/<agent>`) is the state of its last sync. A sandbox works in a
+    copy of it (restored at start); a real falling-asleep syncs the copy back. With
+    warm_sandbox the copy is parked instead, and synced in the background at most every
+    `warm_sync_s`; the next wake reuses it; after `warm_idle_s` it really falls asleep. A kill
+    evicts a parked sandbox and syncs nothing: what the home keeps is the last sync (the price
+    the harness measures). Homes of killed sandboxes are kept as evidence, a few per agent.
 
     The kill path never waits for a sandbox: the daemon has been told to stop and exits on
     its own (code 3); the runner gives it `kill_grace_s`, then destroys the sandbox.
@@ -104,15 +134,22 @@ class Runner:
         self,
         pool: Pool,
         provider: SandboxProvider,
-        homes: Path,
+        data_dir: Path,
+        node: str,
         kill_grace_s: float,
         on_exit: ExitCallback,
+        warm_sync_s: float = 300.0,
+        warm_idle_s: float = 900.0,
     ) -> None:
         self._pool = pool
         self._provider = provider
-        self._homes = homes
+        self._homes = data_dir / "homes"
+        self._sandboxes = data_dir / "sandboxes"
+        self.node = node
         self._grace = kill_grace_s
         self._on_exit = on_exit
+        self.warm_sync_s = warm_sync_s
+        self.warm_idle_s = warm_idle_s
         self._handles: dict[UUID, str] = {}
         self._exited: dict[UUID, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -124,9 +161,15 @@ class Runner:
     def home_of(self, agent_id: UUID) -> Path:
         return self._homes / str(agent_id)
 
+    def workdir_of(self, agent_id: UUID, sandbox_id: UUID) -> Path:
+        return self._sandboxes / str(agent_id) / str(sandbox_id)
+
     async def start(self, spec_env: dict[str, str], sandbox_id: UUID, agent_id: UUID,
-                    session_id: UUID) -> None:
-        spec = SandboxSpec(sandbox_id, agent_id, session_id, self.home_of(agent_id), spec_env)
+                    session_id: UUID, warm: bool, reuse: bool) -> None:
+        work = self.workdir_of(agent_id, sandbox_id)
+        if not (reuse and work.is_dir()):
+            await asyncio.to_thread(_copy_home, self.home_of(agent_id), work)
+        spec = SandboxSpec(sandbox_id, agent_id, session_id, work, spec_env)
         self._exited[sandbox_id] = asyncio.Event()
         handle = await self._provider.start(spec)
         self._handles[sandbox_id] = handle
@@ -134,18 +177,80 @@ class Runner:
             "UPDATE sandboxes SET handle=$2, state='running' WHERE id=$1 AND state='starting'",
             sandbox_id, handle,
         )
-        self._spawn(self._watch(sandbox_id, session_id, handle))
+        self._spawn(self._watch(sandbox_id, agent_id, session_id, handle, warm))
 
-    async def _watch(self, sandbox_id: UUID, session_id: UUID, handle: str) -> None:
+    async def _watch(self, sandbox_id: UUID, agent_id: UUID, session_id: UUID, handle: str,
+                     warm: bool) -> None:
         code = await self._provider.wait(handle)
         self._handles.pop(sandbox_id, None)
-        await self._pool.execute(
-            "UPDATE sandboxes SET state='gone', exit_code=$2, ended_at=now() WHERE id=$1",
-            sandbox_id, code,
-        )
-        self._exited.pop(sandbox_id, asyncio.Event()).set()
+        await self._pool.execute("UPDATE sandboxes SET exit_code=$2 WHERE id=$1",
+                                 sandbox_id, code)
         log.info("sandbox exited", sandbox_id=str(sandbox_id), exit_code=code)
-        await self._on_exit(sandbox_id, session_id, code)
+        clean = await self._on_exit(sandbox_id, session_id, code) and code == 0
+        if clean and warm:
+            parked = await self._pool.fetchval(
+                "UPDATE sandboxes SET state='parked', handle=NULL, parked_at=now()"
+                " WHERE id=$1 AND state='running' RETURNING id", sandbox_id)
+            if parked is None:  # evicted while it fell asleep
+                await self._discard(sandbox_id, agent_id)
+        elif clean:
+            await self.fall_asleep(sandbox_id, agent_id)
+        else:
+            await self._pool.execute(
+                "UPDATE sandboxes SET state='gone', ended_at=now() WHERE id=$1"
+                " AND state IN ('starting','running')", sandbox_id)
+            await asyncio.to_thread(self._prune_evidence, agent_id)
+        self._exited.pop(sandbox_id, asyncio.Event()).set()
+
+    async def fall_asleep(self, sandbox_id: UUID, agent_id: UUID) -> None:
+        """The real falling-asleep: sync the home back, then the sandbox is gone."""
+        work = self.workdir_of(agent_id, sandbox_id)
+        await asyncio.to_thread(_replace_home, work, self.home_of(agent_id))
+        await self._pool.execute(
+            "UPDATE sandboxes SET state='gone', ended_at=now(), last_sync_at=now()"
+            " WHERE id=$1", sandbox_id)
+        await asyncio.to_thread(shutil.rmtree, work, True)
+
+    async def _discard(self, sandbox_id: UUID, agent_id: UUID) -> None:
+        await asyncio.to_thread(shutil.rmtree, self.workdir_of(agent_id, sandbox_id), True)
+
+    def _prune_evidence(self, agent_id: UUID) -> None:
+        folder = self._sandboxes / str(agent_id)
+        if not folder.is_dir():
+            return
+        kept = sorted(folder.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in kept[EVIDENCE_KEPT:]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    async def maintain_parked(self) -> None:
+        """Background sync of parked sandboxes (at most every warm_sync_s) and the real
+        falling-asleep of those idle past warm_idle_s. Only this node's sandboxes."""
+        idle = await self._pool.fetch(
+            "UPDATE sandboxes SET state='starting' WHERE state='parked' AND node=$1"
+            " AND parked_at < now() - make_interval(secs => $2) RETURNING id, agent_id",
+            self.node, self.warm_idle_s,
+        )
+        for row in idle:  # 'starting' holds it against reuse while it syncs
+            await self.fall_asleep(row["id"], row["agent_id"])
+        due = await self._pool.fetch(
+            "SELECT id, agent_id FROM sandboxes WHERE state='parked' AND node=$1"
+            " AND COALESCE(last_sync_at, parked_at) < now() - make_interval(secs => $2)",
+            self.node, self.warm_sync_s,
+        )
+        for row in due:
+            work = self.workdir_of(row["agent_id"], row["id"])
+            try:
+                await asyncio.to_thread(_replace_home, work, self.home_of(row["agent_id"]))
+            except OSError as exc:  # evicted under our feet: nothing to sync any more
+                log.info("parked sandbox vanished during sync", sandbox_id=str(row["id"]),
+                         error=str(exc))
+                continue
+            await self._pool.execute("UPDATE sandboxes SET last_sync_at=now() WHERE id=$1"
+                                     " AND state='parked'", row["id"])
+        evicted = await self._pool.fetch(
+            "SELECT id, agent_id FROM sandboxes WHERE state='evicted' AND node=$1", self.node)
+        for row in evicted:
+            await self._discard(row["id"], row["agent_id"])
 
     def tear_down(self, sandbox_ids: list[UUID], told_to_stop: set[UUID]) -> None:
         """Make sure these sandboxes end. One whose daemon was told to stop gets the grace
@@ -168,18 +273,17 @@ class Runner:
                 await self._provider.destroy(handle)
 
     async def evict_warm(self, agent_id: UUID) -> list[UUID]:
-        """Evict every parked sandbox of the agent (covey's evictWarm)."""
+        """Evict every parked sandbox of the agent at once (covey's evictWarm): its unsynced
+        work is lost, by design."""
         rows = await self._pool.fetch(
             "UPDATE sandboxes SET state='evicted', ended_at=now() "
-            "WHERE agent_id=$1 AND state='parked' RETURNING id",
+            "WHERE agent_id=$1 AND state='parked' RETURNING id, node",
             agent_id,
         )
-        evicted = [r["id"] for r in rows]
-        for sandbox_id in evicted:
-            handle = self._handles.get(sandbox_id)
-            if handle is not None:
-                await self._provider.destroy(handle)
-        return evicted
+        for row in rows:
+            if row["node"] == self.node:
+                await self._discard(row["id"], agent_id)
+        return [r["id"] for r in rows]
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)

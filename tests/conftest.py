@@ -3,20 +3,26 @@ migrated template, and real control planes served by uvicorn on loopback ports."
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
+import uvicorn
 
 from covey.db import migrate
-from tests.support.plane import Plane, World, make_world, start_plane
+from tests.support.plane import Plane, World, eventually, free_port, make_world, start_plane
+from tests.support.scripted_model import create_model
 
 SCRIPTED_DAEMON = [sys.executable, str(Path(__file__).parent / "support" / "scripted_daemon.py")]
+COVEYD = [sys.executable, "-m", "covey.coveyd"]
 
 
 def _with_database(url: str, name: str) -> str:
@@ -79,3 +85,27 @@ async def world(plane: Plane) -> AsyncIterator[World]:
     """Two organisations; the first with one human of every role, each with an API client."""
     async with make_world(plane) as w:
         yield w
+
+
+@asynccontextmanager
+async def scripted_model() -> AsyncIterator[tuple[str, dict[str, list[dict[str, Any]]]]]:
+    app, ledger = create_model()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    serving = asyncio.create_task(server.serve())
+
+    async def started() -> bool:
+        return server.started
+    await eventually(started, 10, "scripted model did not start")
+    try:
+        yield f"http://127.0.0.1:{port}/v1", ledger
+    finally:
+        server.should_exit = True
+        await serving
+
+
+@pytest.fixture
+async def model() -> AsyncIterator[tuple[str, dict[str, list[dict[str, Any]]]]]:
+    async with scripted_model() as m:
+        yield m

@@ -4,46 +4,17 @@ which works tasks against a scripted OpenAI-compatible endpoint through its guar
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 
+from tests.conftest import COVEYD
 from tests.support.plane import Plane, World, eventually, free_port, make_world, start_plane
-from tests.support.scripted_model import create_model
 from tests.support.tcp_proxy import CuttableProxy
-
-COVEYD = [sys.executable, "-m", "covey.coveyd"]
-
-
-@asynccontextmanager
-async def scripted_model() -> AsyncIterator[tuple[str, dict[str, list[dict[str, Any]]]]]:
-    app, ledger = create_model()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    serving = asyncio.create_task(server.serve())
-
-    async def started() -> bool:
-        return server.started
-    await eventually(started, 10, "scripted model did not start")
-    try:
-        yield f"http://127.0.0.1:{port}/v1", ledger
-    finally:
-        server.should_exit = True
-        await serving
-
-
-@pytest.fixture
-async def model() -> AsyncIterator[tuple[str, dict[str, list[dict[str, Any]]]]]:
-    async with scripted_model() as m:
-        yield m
 
 
 @pytest.fixture

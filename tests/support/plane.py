@@ -46,10 +46,14 @@ class Plane:
         return orch
 
     def transcript(self, agent_id: str) -> list[dict[str, Any]]:
-        path = self.data_dir / "homes" / agent_id / "transcript.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line]
+        """What the scripted daemon wrote down, over every sandbox of the agent still on
+        disk (killed ones are kept as evidence; synced ones are in the agent's home)."""
+        paths = [*(self.data_dir / "sandboxes" / agent_id).glob("*/transcript.jsonl"),
+                 self.data_dir / "homes" / agent_id / "transcript.jsonl"]
+        lines = [json.loads(line) for path in paths if path.exists()
+                 for line in path.read_text().splitlines() if line]
+        unique = {json.dumps(m, sort_keys=True): m for m in lines}
+        return sorted(unique.values(), key=lambda m: m["at_ns"])
 
 
 @asynccontextmanager

@@ -51,6 +51,10 @@ def behave(behaviour: str, step: int, base_url: str) -> dict[str, Any]:
         return _reply([_call("shell", {"cmd": f"echo {step}"})], prompt_tokens=150_000)
     if behaviour == "failing_tool_hammer":
         return _reply([_call("http_request", {"url": f"{base_url}/fail?n={step}"})])
+    if behaviour == "write_then_silent":
+        if step == 0:
+            return _reply([_call("write_file", {"path": "notes.txt", "content": "step two\n"})])
+        return _reply([_call("shell", {"cmd": f"sleep 0.2; echo tick {step}"})])
     if behaviour == "silent":
         return _reply([_call("shell", {"cmd": f"sleep 0.2; echo tick {step}"})])
     return _reply(None, content=f"unknown behaviour {behaviour}")
