@@ -26,7 +26,7 @@ from covey.config import Settings
 from covey.db import create_pool, embedded_database_url, migrate
 from covey.hub import DaemonHub
 from covey.orchestrator import Orchestrator
-from covey.sandbox import ProcessProvider, Runner
+from covey.sandbox import DockerProvider, ProcessProvider, Runner, SandboxProvider
 
 log = structlog.get_logger(__name__)
 
@@ -183,7 +183,14 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
         node = f"{socket.gethostname()}:{port}:{uuid.uuid4().hex[:6]}"
         ws_url = settings.public_ws_url or f"ws://{host}:{port}/api/daemon/ws"
         orch = Orchestrator(pool, settings, DaemonHub(), node, ws_url)
-        provider = ProcessProvider(settings.daemon_command, settings.data_dir / "logs")
+        provider: SandboxProvider
+        if settings.sandbox_backend == "docker":
+            provider = DockerProvider(settings.sandbox_image, settings.daemon_command,
+                                      settings.docker_network,
+                                      {"covey.node": node, "covey.gameday": settings.gameday},
+                                      settings.data_dir / "logs")
+        else:
+            provider = ProcessProvider(settings.daemon_command, settings.data_dir / "logs")
         orch.runner = Runner(pool, provider, settings.data_dir, node, settings.kill_grace_s,
                              orch.sandbox_exited, settings.warm_sync_s, settings.warm_idle_s)
         app.state.orchestrator = orch

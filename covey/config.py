@@ -40,6 +40,9 @@ class Settings:
     max_daemon_retries: int = 5
     max_body_bytes: int = 64 * 1024
     kill_grace_s: float = 5.0
+    sandbox_image: str = "covey-gameday:latest"
+    docker_network: str = "host"
+    gameday: str = ""
     warm_sync_s: int = 300
     warm_idle_s: int = 900
 
@@ -64,6 +67,9 @@ class Settings:
             daemon_token_ttl_s=_int_env(env, "COVEY_DAEMON_TOKEN_TTL_S", 60, 1),
             daemon_timeout_s=_int_env(env, "COVEY_DAEMON_TIMEOUT_S", 15, 1),
             max_daemon_retries=_int_env(env, "COVEY_MAX_DAEMON_RETRIES", 5, 0),
+            sandbox_image=env.get("COVEY_SANDBOX_IMAGE") or "covey-gameday:latest",
+            docker_network=env.get("COVEY_DOCKER_NETWORK") or "host",
+            gameday=env.get("COVEY_GAMEDAY", ""),
             warm_sync_s=_int_env(env, "COVEY_WARM_SYNC_S", 300, 1),
             warm_idle_s=_int_env(env, "COVEY_WARM_IDLE_S", 900, 1),
         )

@@ -8,6 +8,8 @@ import contextlib
 import os
 import shutil
 import signal
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +91,120 @@ class ProcessProvider:
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _resolve(future: asyncio.Future[int], code: int) -> None:
+    if not future.done():
+        future.set_result(code)
+
+
+class DockerProvider:
+    """One container per sandbox, started through the Docker API, home directory mounted,
+    labelled so that a crashed control plane's containers can be found and removed."""
+
+    name = "docker"
+    HOME = "/home/agent"
+
+    def __init__(self, image: str, command: list[str], network: str, labels: dict[str, str],
+                 log_dir: Path, memory: str = "512m", pids: int = 256) -> None:
+        import docker
+
+        self._client = docker.from_env()
+        self._image = image
+        self._command = command
+        self._network = network
+        self._labels = labels
+        self._memory = memory
+        self._pids = pids
+        self._log_dir = log_dir
+        self._sandbox_of: dict[str, UUID] = {}
+        self._dying: dict[str, asyncio.Future[int]] = {}
+        self._events_thread: threading.Thread | None = None
+
+    async def start(self, spec: SandboxSpec) -> str:
+        spec.home.mkdir(parents=True, exist_ok=True)
+        labels = {**self._labels, "covey.sandbox": str(spec.sandbox_id),
+                  "covey.agent": str(spec.agent_id), "covey.session": str(spec.session_id)}
+
+        def run() -> str:
+            container = self._client.containers.run(
+                self._image, self._command, detach=True, labels=labels,
+                environment={**spec.env, "HOME": self.HOME},
+                volumes={str(spec.home): {"bind": self.HOME, "mode": "rw"}},
+                working_dir=self.HOME, network_mode=self._network,
+                mem_limit=self._memory, pids_limit=self._pids,
+                name=f"covey-sandbox-{spec.sandbox_id}")
+            return str(container.id)
+
+        handle = await asyncio.to_thread(run)
+        self._sandbox_of[handle] = spec.sandbox_id
+        return handle
+
+    async def wait(self, handle: str) -> int:
+        """One thread follows the engine's `die` events for every sandbox; waiting costs no
+        thread per container (a fleet kill stops hundreds at once)."""
+        import docker.errors
+
+        loop = asyncio.get_running_loop()
+        died: asyncio.Future[int] = loop.create_future()
+        self._dying[handle] = died
+        self._ensure_events(loop)
+        try:
+            state = await asyncio.to_thread(
+                lambda: self._client.containers.get(handle).attrs["State"])
+            if not state.get("Running") and state.get("Status") in ("exited", "dead"):
+                code = int(state.get("ExitCode", -1))
+            else:
+                code = await died
+        except docker.errors.NotFound:
+            code = -1
+        finally:
+            self._dying.pop(handle, None)
+        await asyncio.to_thread(self._remove, handle)
+        return code
+
+    def _remove(self, handle: str) -> None:
+        """Keep the daemon's log (as the process backend does), then remove the container."""
+        import docker.errors
+
+        sandbox_id = self._sandbox_of.pop(handle, None)
+        with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+            container = self._client.containers.get(handle)
+            if sandbox_id is not None:
+                self._log_dir.mkdir(parents=True, exist_ok=True)
+                (self._log_dir / f"{sandbox_id}.log").write_bytes(container.logs())
+            container.remove(force=True)
+
+    def _ensure_events(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._events_thread is not None and self._events_thread.is_alive():
+            return
+
+        # Replay from a little before now: a sandbox that died while the stream was still
+        # connecting is not missed.
+        since = int(time.time()) - 2
+
+        def follow() -> None:
+            events = self._client.events(decode=True, since=since, filters={
+                "type": "container", "event": "die", "label": "covey.sandbox"})
+            for event in events:
+                handle = event.get("id", "")
+                code = int(event.get("Actor", {}).get("Attributes", {}).get("exitCode", -1))
+                future = self._dying.get(handle)
+                if future is not None:
+                    loop.call_soon_threadsafe(_resolve, future, code)
+
+        self._events_thread = threading.Thread(target=follow, name="docker-events",
+                                               daemon=True)
+        self._events_thread.start()
+
+    async def destroy(self, handle: str) -> None:
+        def kill() -> None:
+            import docker.errors
+
+            with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+                self._client.containers.get(handle).kill()
+
+        await asyncio.to_thread(kill)
 
 
 # Told that a sandbox's daemon exited, the orchestrator settles the session and answers

@@ -1,0 +1,130 @@
+"""The docker sandbox backend, end to end: the real control plane starts one container per
+sandbox from the project's image, running the real coveyd against a scripted model."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.plane import World, eventually, free_port, make_world, start_plane
+from tests.support.tcp_proxy import CuttableProxy
+
+pytestmark = pytest.mark.docker
+IMAGE = os.environ.get("COVEY_SANDBOX_IMAGE", "covey-gameday:latest")
+
+
+@pytest.fixture(scope="module")
+def docker_client() -> Iterator[Any]:
+    """The engine and the image, or a skip; CI sets COVEY_REQUIRE_DOCKER=1 to fail instead."""
+    try:
+        import docker
+
+        client = docker.from_env()
+        client.ping()
+        client.images.get(IMAGE)
+    except Exception as exc:
+        if os.environ.get("COVEY_REQUIRE_DOCKER") == "1":
+            raise
+        pytest.skip(f"no Docker engine or no {IMAGE} image (scripts/build-image): {exc}")
+    yield client
+    client.close()
+
+
+@pytest.fixture
+async def dworld(database_url: str, tmp_path: Path, model: tuple[str, dict[str, Any]],
+                 docker_client: Any) -> AsyncIterator[World]:
+    gameday = f"test-{uuid.uuid4().hex[:8]}"
+    async with start_plane(database_url, tmp_path, ["coveyd"], model_url=model[0],
+                           sandbox_backend="docker", sandbox_image=IMAGE, gameday=gameday
+                           ) as plane, make_world(plane) as world:
+        world.gameday = gameday  # type: ignore[attr-defined]
+        yield world
+    leftovers = docker_client.containers.list(all=True,
+                                              filters={"label": f"covey.gameday={gameday}"})
+    for c in leftovers:
+        c.remove(force=True)
+    assert leftovers == [], "the control plane left sandbox containers behind"
+
+
+def _containers(client: Any, world: World) -> list[Any]:
+    gameday = world.gameday  # type: ignore[attr-defined]
+    return list(client.containers.list(all=True, filters={"label": f"covey.gameday={gameday}"}))
+
+
+async def _gone_sandbox(world: World, agent_id: str) -> dict[str, Any]:
+    async def gone() -> dict[str, Any] | None:
+        rows = (await world.org_admin.get(f"/api/v1/agents/{agent_id}/sandboxes")).json()
+        done = [s for s in rows if s["state"] == "gone"]
+        return done[-1] if done else None
+    return await eventually(gone, 60, "sandbox never went away")
+
+
+async def test_an_agent_works_a_task_in_a_container(dworld: World, docker_client: Any) -> None:
+    agent = await dworld.agent()
+    task = await dworld.task(agent["id"], "model:well_behaved")
+    await dworld.wait_task(task["id"], "done", timeout=60)
+    sandbox = await _gone_sandbox(dworld, agent["id"])
+    assert sandbox["backend"] == "docker" and sandbox["exit_code"] == 0
+    assert _containers(docker_client, dworld) == []
+    home = dworld.plane.data_dir / "homes" / agent["id"] / "notes.txt"
+    assert home.read_text() == "step one\n"
+
+
+async def test_a_kill_exits_3_and_removes_the_container(
+        dworld: World, docker_client: Any, model: tuple[str, dict[str, Any]]) -> None:
+    agent = await dworld.agent()
+    task = await dworld.task(agent["id"], "model:silent")
+
+    async def busy() -> bool:
+        return len(model[1][agent["id"]]) >= 2
+    await eventually(busy, 60, "the agent never got going in its container")
+    [container] = _containers(docker_client, dworld)
+    assert container.labels["covey.agent"] == agent["id"]
+    r = await dworld.security.post(f"/api/v1/agents/{agent['id']}/kill")
+    assert r.status_code == 200
+    sandbox = await _gone_sandbox(dworld, agent["id"])
+    assert sandbox["exit_code"] == 3
+    assert _containers(docker_client, dworld) == []
+    log = (dworld.plane.data_dir / "logs" / f"{sandbox['id']}.log").read_text()
+    assert "kill switch" in log and "daemon terminates immediately" in log
+    assert await dworld.task_state(task["id"]) == "open"
+
+
+async def test_cutting_the_channel_stops_a_containerised_agent_within_the_lease(
+        database_url: str, tmp_path: Path, model: tuple[str, dict[str, Any]],
+        docker_client: Any) -> None:
+    port, lease_s = free_port(), 1.0
+    gameday = f"test-{uuid.uuid4().hex[:8]}"
+    async with CuttableProxy("127.0.0.1", port) as proxy, start_plane(
+            database_url, tmp_path, ["coveyd"], model_url=model[0], lease_ms=1000, port=port,
+            sandbox_backend="docker", sandbox_image=IMAGE, gameday=gameday,
+            public_ws_url=f"ws://127.0.0.1:{proxy.port}/api/daemon/ws") as plane, \
+            make_world(plane) as world:
+        agent = await world.agent()
+        await world.task(agent["id"], "model:silent")
+
+        async def busy() -> bool:
+            return len(model[1][agent["id"]]) >= 2
+        await eventually(busy, 60, "the agent never got going in its container")
+        proxy.cut()
+        cut_at = time.monotonic()
+
+        def running() -> bool:
+            return bool(docker_client.containers.list(
+                filters={"label": f"covey.gameday={gameday}", "status": "running"}))
+
+        async def stopped() -> bool:
+            return not running()
+        await eventually(stopped, 30, "the container kept running after the cut",
+                         interval=0.02)
+        stopped_after = time.monotonic() - cut_at
+        sandbox = await _gone_sandbox(world, agent["id"])
+        assert sandbox["exit_code"] == 3
+        # Generous on a shared 2-core machine: the lease plus a margin.
+        assert stopped_after < lease_s + 2.0, stopped_after
