@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,7 +53,13 @@ class Settings:
         backend = env.get("COVEY_SANDBOX_BACKEND", "process")
         if backend not in ("process", "docker"):
             raise ConfigError(f"COVEY_SANDBOX_BACKEND={backend!r}: use 'process' or 'docker'")
-        command = shlex.split(env.get("COVEY_DAEMON_COMMAND", "coveyd"))
+        raw = env.get("COVEY_DAEMON_COMMAND")
+        if raw is None:
+            # This interpreter's coveyd for local processes, the image's for containers.
+            command = [sys.executable, "-m", "covey.coveyd"] if backend == "process" \
+                else ["coveyd"]
+        else:
+            command = shlex.split(raw)
         if not command:
             raise ConfigError("COVEY_DAEMON_COMMAND is empty: give the daemon's command line")
         return cls(

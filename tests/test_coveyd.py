@@ -153,3 +153,34 @@ def _exited(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     except OSError:
         return True
+
+
+async def test_a_changed_task_releases_a_guard_hold_and_nothing_else(cworld: World) -> None:
+    agent = await cworld.agent()
+    task = await cworld.task(agent["id"], "model:identical_loop")
+    assert (await _sandbox(cworld, agent["id"]))["exit_code"] == 2
+    r = await cworld.org_admin.patch(f"/api/v1/agents/{agent['id']}/tasks/{task['id']}",
+                                     json={"body": "model:well_behaved"})
+    assert r.status_code == 200, r.text
+    await cworld.wait_task(task["id"], "done")
+    got = (await cworld.auditor.get(f"/api/v1/agents/{agent['id']}")).json()
+    assert got["killed"] is False
+    rec = (await cworld.auditor.get(f"/api/v1/agents/{agent['id']}/recording")).json()
+    assert [e["status"] for e in rec if e["kind"] == "guard"] == ["tripped", "released"]
+
+    # An agent stopped by its own switch is not released by a changed task.
+    other = await cworld.task(agent["id"], "model:well_behaved")
+    await cworld.wait_task(other["id"], "done")
+    await cworld.org_admin.post(f"/api/v1/agents/{agent['id']}/kill")
+    parked = await cworld.task(agent["id"], "model:well_behaved")
+    r = await cworld.org_admin.patch(f"/api/v1/agents/{agent['id']}/tasks/{parked['id']}",
+                                     json={"title": "changed"})
+    assert r.status_code == 200
+    await asyncio.sleep(1.0)
+    assert await cworld.task_state(parked["id"]) == "open"
+    got = (await cworld.auditor.get(f"/api/v1/agents/{agent['id']}")).json()
+    assert (got["killed"], got["kill_origin"]) == (True, "agent")
+    # Work already done (or in progress) cannot be changed under the agent's feet.
+    done = await cworld.org_admin.patch(f"/api/v1/agents/{agent['id']}/tasks/{other['id']}",
+                                        json={"title": "x"})
+    assert done.status_code == 409 and done.json()["error"] == "The task is done"

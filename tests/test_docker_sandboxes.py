@@ -128,3 +128,22 @@ async def test_cutting_the_channel_stops_a_containerised_agent_within_the_lease(
         assert sandbox["exit_code"] == 3
         # Generous on a shared 2-core machine: the lease plus a margin.
         assert stopped_after < lease_s + 2.0, stopped_after
+
+
+async def test_a_kill_evicts_a_parked_warm_sandbox(dworld: World, docker_client: Any) -> None:
+    agent = await dworld.agent(warm_sandbox=True)
+    task = await dworld.task(agent["id"], "model:well_behaved")
+    await dworld.wait_task(task["id"], "done", timeout=60)
+
+    async def parked() -> dict[str, Any] | None:
+        rows = (await dworld.org_admin.get(f"/api/v1/agents/{agent['id']}/sandboxes")).json()
+        return next((s for s in rows if s["state"] == "parked"), None)
+    sandbox = await eventually(parked, 60, "the warm sandbox was never parked")
+    assert sandbox["exit_code"] == 0 and _containers(docker_client, dworld) == []
+    workdir = dworld.plane.data_dir / "sandboxes" / agent["id"] / sandbox["id"]
+    assert (workdir / "notes.txt").exists()
+    r = await dworld.security.post(f"/api/v1/agents/{agent['id']}/kill")
+    assert r.json()["evicted_sandboxes"] == [sandbox["id"]]
+    assert not workdir.exists()
+    # Never synced (the default background sync is minutes away): the work is lost.
+    assert not (dworld.plane.data_dir / "homes" / agent["id"] / "notes.txt").exists()

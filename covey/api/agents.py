@@ -24,12 +24,20 @@ from covey.api.models import (
     TaskDetailOut,
     TaskIn,
     TaskOut,
+    TaskPatch,
     TransitionOut,
     WakeOut,
 )
 from covey.db import Connection, fetch_one
 from covey.errors import ApiError, not_found, stopped
-from covey.orchestrator import KillReport, Orchestrator, ResumeReport, WakeResult, audit
+from covey.orchestrator import (
+    KillReport,
+    Orchestrator,
+    ResumeReport,
+    WakeResult,
+    audit,
+    record,
+)
 from covey.security import new_token, token_hash
 
 router = APIRouter(prefix="/api/v1/agents", tags=["agents"])
@@ -199,7 +207,50 @@ async def create_task(agent_id: UUID, body: TaskIn, who: Manage, orch: Orch) -> 
     return TaskOut(**task)
 
 
-@router.post("/{agent_id}/wake", response_model=WakeOut, status_code=202)
+@router.patch("/{agent_id}/tasks/{task_id}", response_model=TaskOut)
+async def change_task(agent_id: UUID, task_id: UUID, body: TaskPatch, who: Manage, orch: Orch
+                      ) -> TaskOut:
+    """Change a task that is not being worked on. A blocked task opens again. Changing the
+    input of an agent that its guard stopped releases it: the guard holds an agent only
+    against the same input (DESIGN §2.4); any other switch still holds."""
+    await agent_of_org(orch, who.org_id, agent_id)
+    changes = body.model_dump(exclude_none=True)
+    if not changes:
+        raise ApiError(422, "Nothing to change", "Send title, body or priority.")
+    async with orch.pool.acquire() as conn, conn.transaction():
+        current = await conn.fetchrow(
+            "SELECT state FROM backlog_tasks WHERE id=$1 AND agent_id=$2 FOR UPDATE",
+            task_id, agent_id)
+        if current is None:
+            raise not_found("task")
+        if current["state"] not in ("open", "blocked"):
+            raise ApiError(409, f"The task is {current['state']}",
+                           "Only open or blocked tasks can be changed; kill the agent first "
+                           "to take back a task in progress.")
+        row = await fetch_one(
+            conn,
+            f"UPDATE backlog_tasks SET title=COALESCE($2, title), body=COALESCE($3, body),"
+            f" priority=COALESCE($4, priority), state='open', updated_at=now()"
+            f" WHERE id=$1 RETURNING {TASK_COLUMNS}",
+            task_id, changes.get("title"), changes.get("body"), changes.get("priority"),
+        )
+        await conn.execute(
+            "INSERT INTO task_transitions (task_id, from_state, to_state, note)"
+            " VALUES ($1, $2, 'open', $3)",
+            task_id, current["state"], f"changed: {', '.join(sorted(changes))}")
+        released = await conn.fetchval(
+            "UPDATE agents SET killed=false, kill_origin=NULL, killed_at=NULL, status='sleeping'"
+            " WHERE id=$1 AND kill_origin='guard' RETURNING id", agent_id)
+        if released is not None:
+            await record(conn, agent_id, None, "guard", "released",
+                         {"by": "changed task", "task_id": str(task_id)})
+        await audit(conn, who.org_id, who.human_id, "task.change", str(task_id), changes)
+    await orch.wake(agent_id, "changed-task")
+    return TaskOut(**dict(row))
+
+
+@router.post("/{agent_id}/wake", response_model=WakeOut, status_code=202,
+             responses={409: {"description": "Agent or fleet is stopped"}})
 async def wake(agent_id: UUID, who: Manage, orch: Orch) -> WakeOut:
     await agent_of_org(orch, who.org_id, agent_id)
     return wake_out(await orch.wake(agent_id, "manual"))

@@ -125,6 +125,12 @@ class TaskIn(Strict):
     priority: StrictInt = Field(default=0, ge=-1000, le=1000)
 
 
+class TaskPatch(Strict):
+    title: StrictStr | None = Field(default=None, min_length=1, max_length=500)
+    body: StrictStr | None = Field(default=None, max_length=100_000)
+    priority: StrictInt | None = Field(default=None, ge=-1000, le=1000)
+
+
 class TaskOut(BaseModel):
     id: UUID
     agent_id: UUID
