@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -33,7 +34,8 @@ log = structlog.get_logger(__name__)
 
 class BodyLimit:
     """Refuse bodies over the limit with 413 before a handler sees them. A body without a
-    Content-Length is read up to the limit first, then handed on whole."""
+    Content-Length is read up to the limit first, then handed on whole. Also stamps each
+    request's arrival, the origin of the kill-stage metrics."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -43,6 +45,7 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope["covey.arrived"] = time.perf_counter()
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None:
             if declared.isdigit() and int(declared) > self.max_bytes:
@@ -90,12 +93,16 @@ class EventStream:
 
     def publish(self, raw: str) -> None:
         try:
-            org = UUID(json.loads(raw)["org_id"])
+            event = json.loads(raw)
+            org = UUID(event["org_id"])
+            agents = event.pop("agents", None) or [event["agent_id"]]
         except (ValueError, KeyError, TypeError):
             return
+        lines = [json.dumps({**event, "agent_id": a}) for a in agents]
         for sub_org, queue in list(self._subscribers):
             if sub_org == org and queue.qsize() < 1000:
-                queue.put_nowait(raw)
+                for line in lines:
+                    queue.put_nowait(line)
 
     async def stream(self, org_id: UUID) -> AsyncIterator[str]:
         queue: asyncio.Queue[str] = asyncio.Queue()

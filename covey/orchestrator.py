@@ -1,11 +1,16 @@
 """The orchestrator: wake, dispatch, the two kill switches and their resumes, the scheduler
 tick, daemon loss. DESIGN §2.3 is the contract; each public method is one of its lines.
 
-Concurrency rule: every path that starts or feeds work locks the agent row (FOR UPDATE or
-FOR SHARE) and the organisation row (FOR SHARE) and reads both flags under those locks. The
-switches UPDATE the same rows, so a wake and a kill are serialised by Postgres, whichever
-replica runs them: either the kill sees the new session and cancels it, or the wake sees the
-flag and starts nothing.
+Concurrency rule: every path that starts or feeds work locks the agent row and the
+organisation row and reads both flags under those locks. The switches UPDATE the same rows, so
+a wake and a kill are serialised by Postgres, whichever replica runs them: either the kill
+sees the new session and cancels it, or the wake sees the flag and starts nothing.
+
+Rows are locked in one order everywhere: agents (by id), then their organisation, then
+sessions, then tasks. A fleet kill once locked the organisation first while wakes locked
+agent then organisation; under load Postgres broke the deadlock by failing the kill, and the
+fleet kept running. A transaction that will update an agent row takes it FOR NO KEY UPDATE at
+once (two FOR SHARE holders that both upgrade deadlock too).
 """
 
 from __future__ import annotations
@@ -13,9 +18,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID, uuid4
 
 import asyncpg
@@ -29,6 +34,7 @@ from covey.sandbox import Runner
 from covey.security import new_token, token_hash
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 LIVE = ("starting", "running")
 
@@ -105,6 +111,47 @@ async def emit_status(conn: Connection, org_id: UUID, agent_id: UUID, status: st
     await conn.execute("SELECT pg_notify('covey_events', $1)", payload)
 
 
+async def emit_statuses(conn: Connection, org_id: UUID, agent_ids: list[UUID], status: str
+                        ) -> None:
+    """One NOTIFY per hundred agents (a payload holds at most 8000 bytes)."""
+    for i in range(0, len(agent_ids), 100):
+        payload = json.dumps({"org_id": str(org_id), "status": status,
+                              "agents": [str(a) for a in agent_ids[i:i + 100]]})
+        await conn.execute("SELECT pg_notify('covey_events', $1)", payload)
+
+
+async def lock_agent(conn: Connection, agent_id: UUID, *, write: bool) -> asyncpg.Record | None:
+    """Lock an agent, then its organisation (the one lock order), and read both flags."""
+    mode = "FOR NO KEY UPDATE OF a" if write else "FOR SHARE OF a"
+    return await conn.fetchrow(
+        f"""
+        SELECT a.id, a.org_id, a.killed, a.kill_origin, a.warm_sandbox, a.slug,
+               a.display_name, a.owner_id, o.fleet_killed
+        FROM agents a JOIN organizations o ON o.id=a.org_id
+        WHERE a.id=$1 {mode} FOR SHARE OF o
+        """,
+        agent_id,
+    )
+
+
+async def lock_fleet(conn: Connection, org_id: UUID) -> bool | None:
+    """Lock every agent of the organisation (by id), then the organisation itself."""
+    await conn.execute(
+        "SELECT id FROM agents WHERE org_id=$1 ORDER BY id FOR NO KEY UPDATE", org_id)
+    was: bool | None = await conn.fetchval(
+        "SELECT fleet_killed FROM organizations WHERE id=$1 FOR NO KEY UPDATE", org_id)
+    return was
+
+
+async def record_many(conn: Connection, agent_ids: list[UUID], session_of: dict[UUID, UUID],
+                      kind: str, status: str, detail: dict[str, Any]) -> None:
+    await conn.execute(
+        "INSERT INTO recording_events (agent_id, session_id, kind, status, detail)"
+        " SELECT a, s, $3, $4, $5 FROM unnest($1::uuid[], $2::uuid[]) AS x(a, s)",
+        agent_ids, [session_of.get(a) for a in agent_ids], kind, status, detail,
+    )
+
+
 async def record(conn: Connection, agent_id: UUID, session_id: UUID | None, kind: str,
                  status: str, detail: dict[str, Any]) -> None:
     await conn.execute(
@@ -160,15 +207,7 @@ class Orchestrator:
     async def wake(self, agent_id: UUID, path: str) -> WakeResult:
         """The one place that decides whether an agent may wake, for every wake path."""
         async with transaction(self.pool) as conn:
-            row = await conn.fetchrow(
-                """
-                SELECT a.id, a.org_id, a.killed, o.fleet_killed, a.warm_sandbox
-                FROM agents a JOIN organizations o ON o.id=a.org_id
-                WHERE a.id=$1
-                FOR UPDATE OF a FOR SHARE OF o
-                """,
-                agent_id,
-            )
+            row = await lock_agent(conn, agent_id, write=True)
             if row is None:
                 return WakeResult("idle")
             if row["killed"] or row["fleet_killed"]:
@@ -206,7 +245,7 @@ class Orchestrator:
                 UPDATE sandboxes SET state='starting', daemon_token_hash=$3, token_used=false,
                        token_expires_at=now() + make_interval(secs => $4), parked_at=NULL
                 WHERE id = (SELECT id FROM sandboxes WHERE agent_id=$1 AND state='parked'
-                            AND node=$2 ORDER BY created_at DESC LIMIT 1 FOR UPDATE)
+                            AND node=$2 ORDER BY created_at DESC LIMIT 1)
                 RETURNING id
                 """,
                 agent_id, self.node, token_hash(token), ttl,
@@ -263,17 +302,14 @@ class Orchestrator:
     async def claim_next(self, session_id: UUID) -> asyncpg.Record | None:
         """Claim the agent's next open task for this session, fenced by a fresh token."""
         async with transaction(self.pool) as conn:
-            session = await conn.fetchrow(
-                """
-                SELECT s.agent_id, a.org_id, a.killed, o.fleet_killed, s.state
-                FROM sessions s JOIN agents a ON a.id=s.agent_id
-                     JOIN organizations o ON o.id=a.org_id
-                WHERE s.id=$1 FOR UPDATE OF s FOR SHARE OF a, o
-                """,
-                session_id,
-            )
-            if (session is None or session["state"] not in LIVE or session["killed"]
-                    or session["fleet_killed"]):
+            agent_id = await conn.fetchval("SELECT agent_id FROM sessions WHERE id=$1",
+                                           session_id)
+            agent = await lock_agent(conn, agent_id, write=True) if agent_id else None
+            if agent is None or agent["killed"] or agent["fleet_killed"]:
+                return None
+            state = await conn.fetchval("SELECT state FROM sessions WHERE id=$1 FOR UPDATE",
+                                        session_id)
+            if state not in LIVE:
                 return None
             task = await conn.fetchrow(
                 """
@@ -286,7 +322,7 @@ class Orchestrator:
                 FROM next WHERE t.id=next.id
                 RETURNING t.id, t.title, t.body, t.claim_token, t.origin
                 """,
-                session["agent_id"], session_id,
+                agent_id, session_id,
             )
             if task is None:
                 return None
@@ -299,9 +335,8 @@ class Orchestrator:
                 "UPDATE sessions SET state='running', task_id=$2 WHERE id=$1",
                 session_id, task["id"],
             )
-            await conn.execute("UPDATE agents SET status='working' WHERE id=$1",
-                               session["agent_id"])
-            await emit_status(conn, session["org_id"], session["agent_id"], "working")
+            await conn.execute("UPDATE agents SET status='working' WHERE id=$1", agent_id)
+            await emit_status(conn, agent["org_id"], agent_id, "working")
             return task
 
     async def finish_task(self, session_id: UUID, task_id: UUID, fencing_token: int,
@@ -312,25 +347,26 @@ class Orchestrator:
         token: a killed, lost or superseded session cannot complete work twice.
         """
         async with transaction(self.pool) as conn:
-            # FOR SHARE of the agent and org rows waits for a kill in flight: its flag is
-            # committed before the daemon hears `kill`, so a result racing the kill is refused.
+            # Locking the agent and org rows waits for a kill in flight: its flag is committed
+            # before the daemon hears `kill`, so a result racing the kill is refused.
+            agent_id = await conn.fetchval("SELECT agent_id FROM sessions WHERE id=$1",
+                                           session_id)
+            agent = await lock_agent(conn, agent_id, write=False) if agent_id else None
             row = await conn.fetchrow(
                 """
                 SELECT s.state AS session_state, t.state AS task_state, t.claim_token,
-                       t.claimed_by, t.agent_id, a.killed, o.fleet_killed
-                FROM sessions s
-                JOIN agents a ON a.id=s.agent_id JOIN organizations o ON o.id=a.org_id
-                JOIN backlog_tasks t ON t.agent_id=s.agent_id
-                WHERE s.id=$1 AND t.id=$2 FOR UPDATE OF t FOR SHARE OF a, o
+                       t.claimed_by, t.agent_id
+                FROM sessions s JOIN backlog_tasks t ON t.agent_id=s.agent_id
+                WHERE s.id=$1 AND t.id=$2 FOR UPDATE OF t
                 """,
                 session_id, task_id,
             )
-            if row is None:
+            if row is None or agent is None:
                 metrics.rejected_results.labels("unknown").inc()
                 return "unknown task"
             why = None
-            if row["killed"] or row["fleet_killed"]:
-                why = "agent is killed" if row["killed"] else "fleet is stopped"
+            if agent["killed"] or agent["fleet_killed"]:
+                why = "agent is killed" if agent["killed"] else "fleet is stopped"
             elif row["session_state"] not in LIVE:
                 why = f"session is {row['session_state']}"
             elif (row["task_state"] != "in_progress" or row["claimed_by"] != session_id
@@ -356,6 +392,10 @@ class Orchestrator:
     async def end_session(self, session_id: UUID) -> bool:
         """A clean falling-asleep: the session ends, the agent sleeps."""
         async with transaction(self.pool) as conn:
+            agent_id = await conn.fetchval("SELECT agent_id FROM sessions WHERE id=$1",
+                                           session_id)
+            if agent_id is None or await lock_agent(conn, agent_id, write=True) is None:
+                return False
             row = await conn.fetchrow(
                 "UPDATE sessions SET state='ended', ended_at=now() WHERE id=$1"
                 " AND state IN ('starting','running') RETURNING agent_id",
@@ -379,6 +419,11 @@ class Orchestrator:
         """
         max_retries = self.settings.max_daemon_retries
         async with transaction(self.pool) as conn:
+            agent_id = await conn.fetchval(
+                "SELECT agent_id FROM sessions WHERE id=$1 AND state IN ('starting','running')",
+                session_id)
+            if agent_id is None or await lock_agent(conn, agent_id, write=True) is None:
+                return []
             row = await conn.fetchrow(
                 "UPDATE sessions SET state='lost', ended_at=now(), stop_reason=$2 WHERE id=$1"
                 " AND state IN ('starting','running') RETURNING agent_id",
@@ -422,17 +467,18 @@ class Orchestrator:
         the task, and hold the agent (kill origin 'guard') so that nothing wakes it again on
         its own: a human resume is needed. Returns why the report was refused, if it was."""
         async with transaction(self.pool) as conn:
+            agent_id = await conn.fetchval("SELECT agent_id FROM sessions WHERE id=$1",
+                                           session_id)
+            agent = await lock_agent(conn, agent_id, write=True) if agent_id else None
             row = await conn.fetchrow(
                 """
-                SELECT s.state, s.agent_id, a.org_id, a.slug, a.display_name, a.owner_id,
-                       t.claimed_by, t.claim_token, t.state AS task_state
-                FROM sessions s JOIN agents a ON a.id=s.agent_id
-                JOIN backlog_tasks t ON t.id=$2 AND t.agent_id=s.agent_id
-                WHERE s.id=$1 FOR UPDATE OF s, a, t
+                SELECT s.state, s.agent_id, t.claimed_by, t.claim_token, t.state AS task_state
+                FROM sessions s JOIN backlog_tasks t ON t.id=$2 AND t.agent_id=s.agent_id
+                WHERE s.id=$1 FOR UPDATE OF s, t
                 """,
                 session_id, task_id,
             )
-            if row is None:
+            if row is None or agent is None:
                 return "unknown task"
             if row["state"] not in LIVE:
                 return f"session is {row['state']}"
@@ -455,17 +501,17 @@ class Orchestrator:
             recipients = await conn.fetchval(
                 "SELECT COALESCE(array_agg(id), '{}') FROM humans WHERE org_id=$1"
                 " AND (role IN ('org_admin','security') OR id=$2)",
-                row["org_id"], row["owner_id"],
+                agent["org_id"], agent["owner_id"],
             )
-            title = (f"Agent {row['display_name']} ({row['slug']}) stopped by the "
+            title = (f"Agent {agent['display_name']} ({agent['slug']}) stopped by the "
                      f"{trip.layer_name}: {trip.reason}")
             await conn.execute(
                 "INSERT INTO notifications (org_id, class, kind, title, link, recipients)"
                 " VALUES ($1, 'guard', 'agent_tripped', $2, $3, $4)",
-                row["org_id"], title[:500], f"/administration#agent-{row['agent_id']}",
+                agent["org_id"], title[:500], f"/administration#agent-{row['agent_id']}",
                 recipients,
             )
-            await emit_status(conn, row["org_id"], row["agent_id"], "killed")
+            await emit_status(conn, agent["org_id"], row["agent_id"], "killed")
         log.warning("guard trip", agent_id=str(row["agent_id"]), layer=trip.layer,
                     reason=trip.reason)
         return None
@@ -479,16 +525,39 @@ class Orchestrator:
 
     # ---------------------------------------------------------------- switches
 
+    async def _switch(self, body: Callable[[Connection], Awaitable[T]], scope: str,
+                      started: float) -> T:
+        """Run a switch's flag transaction; time its commit. Retried when Postgres breaks a
+        deadlock by failing it: an emergency stop must not fail because a wake held a row."""
+        for attempt in range(1, 6):
+            async with self.pool.acquire() as conn:
+                try:
+                    async with conn.transaction():
+                        result = await body(conn)
+                except (asyncpg.DeadlockDetectedError, asyncpg.SerializationError) as exc:
+                    if attempt == 5:
+                        raise
+                    log.warning("switch transaction retried", scope=scope, attempt=attempt,
+                                error=str(exc))
+                    continue
+                metrics.kill_stage_seconds.labels(scope, "flag_committed").observe(
+                    time.perf_counter() - started)
+                return result
+        raise AssertionError("unreachable")
+
     async def kill_agent(self, org_id: UUID, agent_id: UUID, actor_id: UUID | None,
-                         origin: str = "agent") -> KillReport | None:
-        """DESIGN §2.3 line 1. Returns None when the agent is not in this organisation."""
-        started = time.perf_counter()
-        async with transaction(self.pool) as conn:
+                         origin: str = "agent", started: float | None = None
+                         ) -> KillReport | None:
+        """DESIGN §2.3 line 1. Returns None when the agent is not in this organisation.
+        `started` is when the request arrived (perf_counter), for the stage metrics."""
+        started = time.perf_counter() if started is None else started
+
+        async def flag(conn: Connection) -> tuple[asyncpg.Record, list[asyncpg.Record]] | None:
             row = await conn.fetchrow(
                 """
                 WITH prev AS (
                     SELECT id, killed, kill_origin FROM agents
-                    WHERE id=$1 AND org_id=$2 FOR UPDATE
+                    WHERE id=$1 AND org_id=$2 FOR NO KEY UPDATE
                 )
                 UPDATE agents a SET killed=true, status='killed',
                        killed_at=COALESCE(a.killed_at, now()),
@@ -504,36 +573,41 @@ class Orchestrator:
             if row is None:
                 return None
             live = await self._cancel_live_sessions(conn, "s.agent_id=$1", [agent_id])
-            changed = not row["was_killed"] or row["was_origin"] != origin
-            if changed:
+            if not row["was_killed"] or row["was_origin"] != origin:
                 await audit(conn, org_id, actor_id, "agent.kill", str(agent_id),
                             {"origin": origin})
                 await emit_status(conn, org_id, agent_id, "killed")
-        metrics.kill_stage_seconds.labels("agent", "flag_committed").observe(
-            time.perf_counter() - started)
+            return row, live
+
+        done = await self._switch(flag, "agent", started)
+        if done is None:
+            return None
+        row, live = done
+        changed = not row["was_killed"] or row["was_origin"] != origin
         report = KillReport(already_killed=bool(row["was_killed"]), agents=[agent_id])
         await self._stop_sessions(org_id, "agent", live, [agent_id] if changed else [],
                                   started, report)
         metrics.kills.labels("agent", "already" if report.already_killed else "killed").inc()
         return report
 
-    async def kill_fleet(self, org_id: UUID, actor_id: UUID | None) -> KillReport:
-        """DESIGN §2.3 line 2: the org flag first, then every agent's kill."""
-        started = time.perf_counter()
-        async with transaction(self.pool) as conn:
-            was = await conn.fetchval(
-                "SELECT fleet_killed FROM organizations WHERE id=$1 FOR UPDATE", org_id)
+    async def kill_fleet(self, org_id: UUID, actor_id: UUID | None,
+                         started: float | None = None) -> KillReport:
+        """DESIGN §2.3 line 2: the org flag, then every agent's kill, in one commit."""
+        started = time.perf_counter() if started is None else started
+
+        async def flag(conn: Connection) -> tuple[bool, list[UUID], list[asyncpg.Record]]:
+            was = bool(await lock_fleet(conn, org_id))
             await conn.execute(
                 "UPDATE organizations SET fleet_killed=true,"
                 " fleet_killed_at=COALESCE(fleet_killed_at, now()),"
                 " fleet_killed_by=COALESCE(fleet_killed_by, $2) WHERE id=$1",
                 org_id, actor_id,
             )
-            newly = await conn.fetch(
+            newly = [r["id"] for r in await conn.fetch(
                 "UPDATE agents SET killed=true, kill_origin='fleet', status='killed',"
                 " killed_at=now() WHERE org_id=$1 AND NOT killed RETURNING id",
                 org_id,
-            )
+            )]
             live = await self._cancel_live_sessions(conn, "a.org_id=$1", [org_id])
             if not was:
                 recipients = await conn.fetchval(
@@ -548,12 +622,11 @@ class Orchestrator:
                 )
                 await audit(conn, org_id, actor_id, "fleet.kill", str(org_id),
                             {"agents": len(newly)})
-            for r in newly:
-                await emit_status(conn, org_id, r["id"], "killed")
-        metrics.kill_stage_seconds.labels("fleet", "flag_committed").observe(
-            time.perf_counter() - started)
-        agents = [r["id"] for r in newly]
-        report = KillReport(already_killed=bool(was), agents=agents)
+            await emit_statuses(conn, org_id, newly, "killed")
+            return was, newly, live
+
+        was, agents, live = await self._switch(flag, "fleet", started)
+        report = KillReport(already_killed=was, agents=agents)
         await self._stop_sessions(org_id, "fleet", live, agents, started, report)
         metrics.kills.labels("fleet", "already" if was else "killed").inc()
         return report
@@ -574,12 +647,11 @@ class Orchestrator:
             """,
             *args,
         )
-        if live:
-            # Daemons connected to another replica hear of the kill through it.
-            await conn.execute(
-                "SELECT pg_notify('covey_kill', $1)",
-                ",".join(str(s["id"]) for s in live),
-            )
+        # Daemons connected to another replica hear of the kill through it; one NOTIFY
+        # per batch that fits the 8000-byte payload.
+        for i in range(0, len(live), 200):
+            await conn.execute("SELECT pg_notify('covey_kill', $1)",
+                               ",".join(str(s["id"]) for s in live[i:i + 200]))
         return list(live)
 
     async def _stop_sessions(self, org_id: UUID, scope: str, live: list[asyncpg.Record],
@@ -594,20 +666,29 @@ class Orchestrator:
         metrics.kill_stage_seconds.labels(scope, "kill_sent").observe(
             time.perf_counter() - started)
         touched = sorted({*agents, *(s["agent_id"] for s in live)})
-        async with transaction(self.pool) as conn:
-            if self.runner is not None:
-                for agent_id in touched:
-                    report.evicted_sandboxes += await self.runner.evict_warm(agent_id)
-            report.tasks_requeued = await requeue_in_progress(
-                conn, "t.agent_id = ANY($1::uuid[])", [touched], f"{scope} kill-switch")
-            metrics.kill_stage_seconds.labels(scope, "requeued").observe(
-                time.perf_counter() - started)
-            by_agent = {s["agent_id"]: s["id"] for s in live}
-            for agent_id in touched:
-                await record(conn, agent_id, by_agent.get(agent_id), "kill", "killed",
-                             {"scope": scope, "requeued": len(report.tasks_requeued)})
+        evicted: list[asyncpg.Record] = []
+        if touched:
+            # One connection, a few statements, whatever the fleet's size: a kill must not
+            # wait for a second pool connection while it holds one (a hundred kills at once
+            # emptied the pool that way).
+            async with transaction(self.pool) as conn:
+                evicted = await conn.fetch(
+                    "UPDATE sandboxes SET state='evicted', ended_at=now()"
+                    " WHERE agent_id = ANY($1::uuid[]) AND state='parked'"
+                    " RETURNING id, agent_id, node",
+                    touched,
+                )
+                report.evicted_sandboxes = [r["id"] for r in evicted]
+                report.tasks_requeued = await requeue_in_progress(
+                    conn, "t.agent_id = ANY($1::uuid[])", [touched], f"{scope} kill-switch")
+                await record_many(conn, touched, {s["agent_id"]: s["id"] for s in live},
+                                  "kill", "killed",
+                                  {"scope": scope, "requeued": len(report.tasks_requeued)})
+        metrics.kill_stage_seconds.labels(scope, "requeued").observe(
+            time.perf_counter() - started)
         report.sessions_cancelled = session_ids
         if self.runner is not None:
+            await self.runner.discard_evicted(evicted)
             self.runner.tear_down([s["sandbox_id"] for s in live],
                                   {s["sandbox_id"] for s in live
                                    if s["id"] in report.kill_delivered})
@@ -620,15 +701,8 @@ class Orchestrator:
                            ) -> ResumeReport | None:
         """DESIGN §2.3 line 6: clears the agent's own flag; a fleet stop still holds it."""
         async with transaction(self.pool) as conn:
-            row = await conn.fetchrow(
-                """
-                SELECT a.killed, o.fleet_killed FROM agents a
-                JOIN organizations o ON o.id=a.org_id
-                WHERE a.id=$1 AND a.org_id=$2 FOR UPDATE OF a FOR SHARE OF o
-                """,
-                agent_id, org_id,
-            )
-            if row is None:
+            row = await lock_agent(conn, agent_id, write=True)
+            if row is None or row["org_id"] != org_id:
                 return None
             if row["killed"]:
                 await conn.execute(
@@ -650,32 +724,35 @@ class Orchestrator:
     async def resume_fleet(self, org_id: UUID, actor_id: UUID | None) -> ResumeReport:
         """DESIGN §2.3 line 5: clear the org flag and only the agent flags the fleet set,
         then wake every agent with open work now, not on the next tick."""
-        async with transaction(self.pool) as conn:
-            was = await conn.fetchval(
-                "SELECT fleet_killed FROM organizations WHERE id=$1 FOR UPDATE", org_id)
+
+        async def release(conn: Connection) -> tuple[bool, list[UUID], list[UUID]]:
+            was = bool(await lock_fleet(conn, org_id))
             await conn.execute(
                 "UPDATE organizations SET fleet_killed=false, fleet_killed_at=NULL,"
                 " fleet_killed_by=NULL WHERE id=$1",
                 org_id,
             )
-            released = await conn.fetch(
+            released = [r["id"] for r in await conn.fetch(
                 "UPDATE agents SET killed=false, kill_origin=NULL, killed_at=NULL,"
                 " status='sleeping' WHERE org_id=$1 AND kill_origin='fleet' RETURNING id",
                 org_id,
-            )
-            for r in released:
-                await record(conn, r["id"], None, "kill", "resumed", {"scope": "fleet"})
-                await emit_status(conn, org_id, r["id"], "sleeping")
+            )]
+            await record_many(conn, released, {}, "kill", "resumed", {"scope": "fleet"})
+            await emit_statuses(conn, org_id, released, "sleeping")
             if was:
                 await audit(conn, org_id, actor_id, "fleet.resume", str(org_id),
                             {"agents": len(released)})
-            with_work = await conn.fetch(
+            with_work = [r["id"] for r in await conn.fetch(
                 "SELECT DISTINCT a.id FROM agents a JOIN backlog_tasks t ON t.agent_id=a.id"
                 " WHERE a.org_id=$1 AND NOT a.killed AND t.state='open'",
                 org_id,
-            )
-        report = ResumeReport(changed=bool(was), agents_released=[r["id"] for r in released])
-        report.agents_woken = await self.wake_many([r["id"] for r in with_work], "resume")
+            )]
+            return was, released, with_work
+
+        was, released, with_work = await self._switch(release, "fleet-resume",
+                                                      time.perf_counter())
+        report = ResumeReport(changed=was, agents_released=released)
+        report.agents_woken = await self.wake_many(with_work, "resume")
         metrics.resumes.labels("fleet", "resumed" if was else "noop").inc()
         return report
 
@@ -753,4 +830,9 @@ class Orchestrator:
     def spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._settled)
+
+    def _settled(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background step failed", error=repr(task.exception()))

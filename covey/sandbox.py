@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 from uuid import UUID, uuid4
 
 import structlog
@@ -388,18 +388,12 @@ class Runner:
                             grace_s=grace)
                 await self._provider.destroy(handle)
 
-    async def evict_warm(self, agent_id: UUID) -> list[UUID]:
-        """Evict every parked sandbox of the agent at once (covey's evictWarm): its unsynced
-        work is lost, by design."""
-        rows = await self._pool.fetch(
-            "UPDATE sandboxes SET state='evicted', ended_at=now() "
-            "WHERE agent_id=$1 AND state='parked' RETURNING id, node",
-            agent_id,
-        )
-        for row in rows:
+    async def discard_evicted(self, evicted: list[Any]) -> None:
+        """Remove the homes of sandboxes a kill evicted (covey's evictWarm), where they live
+        on this node; their unsynced work is lost, by design."""
+        for row in evicted:
             if row["node"] == self.node:
-                await self._discard(row["id"], agent_id)
-        return [r["id"] for r in rows]
+                await self._discard(row["id"], row["agent_id"])
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)

@@ -6,9 +6,9 @@ from typing import Any
 from uuid import UUID, uuid4
 
 import asyncpg
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 
-from covey.api.deps import AnyRole, Killer, Manage, Orch
+from covey.api.deps import AnyRole, Killer, Manage, Orch, arrived
 from covey.api.models import (
     AcceptedTaskOut,
     AgentCreatedOut,
@@ -36,6 +36,7 @@ from covey.orchestrator import (
     ResumeReport,
     WakeResult,
     audit,
+    lock_agent,
     record,
 )
 from covey.security import new_token, token_hash
@@ -108,11 +109,10 @@ async def insert_task(conn: Connection, org_id: UUID, agent_id: UUID, title: str
 
 
 async def agent_is_stopped(conn: Connection, agent_id: UUID) -> bool:
-    return bool(await conn.fetchval(
-        "SELECT a.killed OR o.fleet_killed FROM agents a JOIN organizations o ON o.id=a.org_id"
-        " WHERE a.id=$1 FOR SHARE OF a, o",
-        agent_id,
-    ))
+    """Read both flags under lock: a trigger racing a kill either lands first (and the kill
+    requeues what it started) or sees the flag."""
+    row = await lock_agent(conn, agent_id, write=False)
+    return row is None or bool(row["killed"] or row["fleet_killed"])
 
 
 @router.get("", response_model=list[AgentOut])
@@ -218,6 +218,7 @@ async def change_task(agent_id: UUID, task_id: UUID, body: TaskPatch, who: Manag
     if not changes:
         raise ApiError(422, "Nothing to change", "Send title, body or priority.")
     async with orch.pool.acquire() as conn, conn.transaction():
+        await lock_agent(conn, agent_id, write=True)  # the one lock order: agent, then task
         current = await conn.fetchrow(
             "SELECT state FROM backlog_tasks WHERE id=$1 AND agent_id=$2 FOR UPDATE",
             task_id, agent_id)
@@ -289,6 +290,7 @@ async def fire_heartbeat(agent_id: UUID, name: str, who: Manage, orch: Orch
                          ) -> AcceptedTaskOut:
     await agent_of_org(orch, who.org_id, agent_id)
     async with orch.pool.acquire() as conn, conn.transaction():
+        stopped_now = await agent_is_stopped(conn, agent_id)
         hb = await conn.fetchrow(
             "SELECT name, task_body FROM agent_heartbeats WHERE agent_id=$1 AND name=$2"
             " FOR UPDATE",
@@ -296,7 +298,7 @@ async def fire_heartbeat(agent_id: UUID, name: str, who: Manage, orch: Orch
         )
         if hb is None:
             raise not_found("heartbeat")
-        if await agent_is_stopped(conn, agent_id):
+        if stopped_now:
             raise stopped()
         await conn.execute(
             "UPDATE agent_heartbeats SET last_fired_at=now() WHERE agent_id=$1 AND name=$2",
@@ -345,9 +347,10 @@ async def sandboxes(agent_id: UUID, who: AnyRole, orch: Orch) -> list[SandboxOut
 
 
 @router.post("/{agent_id}/kill", response_model=KillOut)
-async def kill(agent_id: UUID, who: Killer, orch: Orch) -> KillOut:
+async def kill(agent_id: UUID, who: Killer, orch: Orch, request: Request) -> KillOut:
     """The agent switch. Idempotent: a second kill changes nothing and succeeds."""
-    report = await orch.kill_agent(who.org_id, agent_id, who.human_id)
+    report = await orch.kill_agent(who.org_id, agent_id, who.human_id,
+                                   started=arrived(request))
     if report is None:
         raise not_found("agent")
     return kill_out(report)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -27,6 +28,13 @@ class Principal:
     org_id: UUID
     email: str
     role: str
+
+
+def arrived(request: Request) -> float:
+    """When the request reached the server (perf_counter), stamped by the app's middleware:
+    the kill-stage metrics count from there, authentication included."""
+    stamp = request.scope.get("covey.arrived")
+    return float(stamp) if stamp is not None else time.perf_counter()
 
 
 def orchestrator(request: Request) -> Orchestrator:

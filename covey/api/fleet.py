@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from covey.api.agents import kill_out, resume_out
-from covey.api.deps import AnyRole, Orch, Security
+from covey.api.deps import AnyRole, Orch, Security, arrived
 from covey.api.models import FleetOut, KillOut, ResumeOut
 from covey.db import fetch_one
 
@@ -30,9 +30,9 @@ async def fleet(who: AnyRole, orch: Orch) -> FleetOut:
 
 
 @router.post("/kill", response_model=KillOut)
-async def kill_fleet(who: Security, orch: Orch) -> KillOut:
+async def kill_fleet(who: Security, orch: Orch, request: Request) -> KillOut:
     """The emergency stop: every agent of the organisation, at once. Idempotent."""
-    return kill_out(await orch.kill_fleet(who.org_id, who.human_id))
+    return kill_out(await orch.kill_fleet(who.org_id, who.human_id, started=arrived(request)))
 
 
 @router.post("/resume", response_model=ResumeOut)
