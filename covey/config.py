@@ -41,6 +41,10 @@ class Settings:
     max_daemon_retries: int = 5
     max_body_bytes: int = 64 * 1024
     kill_grace_s: float = 5.0
+    # Variables of the control plane's own environment that sandboxes get; nothing else of it
+    # (a sandbox must not see DATABASE_URL). COVEY_SANDBOX_PASS_ENV adds names.
+    sandbox_pass_env: tuple[str, ...] = ("COVEY_MODEL_API_KEY", "COVEY_MODEL_PRICES",
+                                         "COVEY_LOG_LEVEL")
     sandbox_image: str = "covey-gameday:latest"
     docker_network: str = "host"
     gameday: str = ""
@@ -74,6 +78,8 @@ class Settings:
             daemon_token_ttl_s=_int_env(env, "COVEY_DAEMON_TOKEN_TTL_S", 60, 1),
             daemon_timeout_s=_int_env(env, "COVEY_DAEMON_TIMEOUT_S", 15, 1),
             max_daemon_retries=_int_env(env, "COVEY_MAX_DAEMON_RETRIES", 5, 0),
+            sandbox_pass_env=(*cls.sandbox_pass_env, *(
+                n.strip() for n in env.get("COVEY_SANDBOX_PASS_ENV", "").split(",") if n.strip())),
             sandbox_image=env.get("COVEY_SANDBOX_IMAGE") or "covey-gameday:latest",
             docker_network=env.get("COVEY_DOCKER_NETWORK") or "host",
             gameday=env.get("COVEY_GAMEDAY", ""),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -280,6 +281,7 @@ class Orchestrator:
         if self.runner is None:
             return
         env = {
+            **{k: os.environ[k] for k in self.settings.sandbox_pass_env if k in os.environ},
             "COVEY_WS_URL": self.ws_url,
             "COVEY_DAEMON_TOKEN": token,
             "COVEY_AGENT_ID": str(agent_id),

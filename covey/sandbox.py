@@ -48,6 +48,12 @@ class SandboxProvider(Protocol):
         ...
 
 
+# What a local process needs to run at all; the rest of the control plane's environment
+# (database URL, tokens) stays out of the sandbox.
+PROCESS_BASE_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONPATH",
+                    "VIRTUAL_ENV", "SSL_CERT_FILE", "SSL_CERT_DIR")
+
+
 class ProcessProvider:
     """One `coveyd` subprocess per sandbox, in its own process group and home directory."""
 
@@ -61,7 +67,8 @@ class ProcessProvider:
     async def start(self, spec: SandboxSpec) -> str:
         spec.home.mkdir(parents=True, exist_ok=True)
         self._log_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **spec.env, "HOME": str(spec.home)}
+        base = {k: os.environ[k] for k in PROCESS_BASE_ENV if k in os.environ}
+        env = {**base, **spec.env, "HOME": str(spec.home)}
         log_path = self._log_dir / f"{spec.sandbox_id}.log"
         with log_path.open("ab") as out:
             proc = await asyncio.create_subprocess_exec(

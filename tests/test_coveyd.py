@@ -184,3 +184,17 @@ async def test_a_changed_task_releases_a_guard_hold_and_nothing_else(cworld: Wor
     done = await cworld.org_admin.patch(f"/api/v1/agents/{agent['id']}/tasks/{other['id']}",
                                         json={"title": "x"})
     assert done.status_code == 409 and done.json()["error"] == "The task is done"
+
+
+async def test_a_sandbox_sees_none_of_the_control_planes_secrets(
+        cworld: World, model: tuple[str, dict[str, list[dict[str, Any]]]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DATABASE_URL", "postgresql://secret@db/covey")
+    monkeypatch.setenv("COVEY_MODEL_API_KEY", "sk-for-the-model")
+    agent = await cworld.agent()
+    task = await cworld.task(agent["id"], "model:print_env")
+    await cworld.wait_task(task["id"], "done")
+    [printed] = [e for e in model[1][agent["id"]] if e["step"] == 1]
+    env = printed["tool_results"][0]
+    assert "COVEY_AGENT_ID=" in env and "COVEY_MODEL_API_KEY=sk-for-the-model" in env
+    assert "DATABASE_URL" not in env and "secret@db" not in env

@@ -55,6 +55,9 @@ def behave(behaviour: str, step: int, base_url: str) -> dict[str, Any]:
         if step == 0:
             return _reply([_call("write_file", {"path": "notes.txt", "content": "step two\n"})])
         return _reply([_call("shell", {"cmd": f"sleep 0.2; echo tick {step}"})])
+    if behaviour == "print_env":
+        return _reply([_call("shell", {"cmd": "env"})] if step == 0 else
+                      [_call("finish", {"result": "printed"})])
     if behaviour == "silent":
         return _reply([_call("shell", {"cmd": f"sleep 0.2; echo tick {step}"})])
     return _reply(None, content=f"unknown behaviour {behaviour}")
