@@ -152,6 +152,15 @@ class Daemon:
         log.error("control channel closed by the control plane")
         self.finish(EXIT_ERROR)
 
+    async def heartbeat(self, every_s: float = 5.0) -> None:
+        while not self.exit_code.done():
+            try:
+                await self.send("heartbeat",
+                                {"busy": self.work is not None and not self.work.done()})
+            except websockets.ConnectionClosed:
+                return  # the reader sees the close and decides the exit
+            await asyncio.sleep(every_s)
+
     def on_task_end(self, task: asyncio.Task[Any]) -> None:
         if task.cancelled() or task.exception() is None:
             return
@@ -266,6 +275,7 @@ async def run(env: Env) -> int:
                                     "version": __version__, "pid": os.getpid()})
         reader = asyncio.create_task(daemon.read())
         watchdog = asyncio.create_task(daemon.watch_lease())
+        beat = asyncio.create_task(daemon.heartbeat())
 
         reader.add_done_callback(daemon.on_task_end)
         started = time.monotonic()
@@ -273,7 +283,7 @@ async def run(env: Env) -> int:
         if code == EXIT_KILLED:
             # No closing handshake: the channel may be the very thing that is cut.
             ws.transport.abort()
-        for task in (reader, watchdog, daemon.work):
+        for task in (reader, watchdog, beat, daemon.work):
             if task is not None:
                 task.cancel()
         if daemon.work is not None:

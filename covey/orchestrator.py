@@ -420,11 +420,15 @@ class Orchestrator:
         The requeue's NOTIFY wakes the agent again, through the same flag checks as any wake.
         """
         max_retries = self.settings.max_daemon_retries
+        # Most calls come from daemons that obeyed a kill (their session is already over):
+        # answer those without a transaction, two of them per daemon in a fleet kill.
+        agent_id = await self.pool.fetchval(
+            "SELECT agent_id FROM sessions WHERE id=$1 AND state IN ('starting','running')",
+            session_id)
+        if agent_id is None:
+            return []
         async with transaction(self.pool) as conn:
-            agent_id = await conn.fetchval(
-                "SELECT agent_id FROM sessions WHERE id=$1 AND state IN ('starting','running')",
-                session_id)
-            if agent_id is None or await lock_agent(conn, agent_id, write=True) is None:
+            if await lock_agent(conn, agent_id, write=True) is None:
                 return []
             row = await conn.fetchrow(
                 "UPDATE sessions SET state='lost', ended_at=now(), stop_reason=$2 WHERE id=$1"

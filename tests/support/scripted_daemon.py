@@ -10,6 +10,9 @@ it sends and receives in $HOME/transcript.jsonl. What it does with a task is in 
 
 On `kill` it first sends a result for the task it holds (a killed session must be refused),
 waits for the answer, then logs the kill lines and exits 3, as coveyd does. `sleep` exits 0.
+With SCRIPTED_DAEMON_PLAIN_KILL=1 it sends no late result and exits 3 at once, as
+covey/coveyd.py does; benchmarks/kill_latency.py uses that, so that no result races the kill
+it measures.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import websockets
 
 TRANSCRIPT = Path(os.environ.get("HOME", ".")) / "transcript.jsonl"
 SANDBOX = os.environ.get("COVEY_SANDBOX_ID", "")
+PLAIN_KILL = os.environ.get("SCRIPTED_DAEMON_PLAIN_KILL") == "1"
 
 
 def note(direction: str, message: dict[str, Any]) -> None:
@@ -71,7 +75,7 @@ async def main() -> int:
             elif kind == "kill":
                 if work is not None:
                     work.cancel()
-                if held is not None:
+                if held is not None and not PLAIN_KILL:
                     await send("task_done", {"task_id": held["task_id"],
                                              "fencing_token": held["fencing_token"],
                                              "result": "after the kill"})
