@@ -11,15 +11,14 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import asyncpg
 import pytest
 import uvicorn
 
 from covey.db import migrate
+from harness.puppet import Puppet, create_app
 from tests.support.plane import Plane, World, eventually, free_port, make_world, start_plane
-from tests.support.scripted_model import create_model
 
 SCRIPTED_DAEMON = [sys.executable, str(Path(__file__).parent / "support" / "scripted_daemon.py")]
 COVEYD = [sys.executable, "-m", "covey.coveyd"]
@@ -88,8 +87,10 @@ async def world(plane: Plane) -> AsyncIterator[World]:
 
 
 @asynccontextmanager
-async def scripted_model() -> AsyncIterator[tuple[str, dict[str, list[dict[str, Any]]]]]:
-    app, ledger = create_model()
+async def puppet_model() -> AsyncIterator[tuple[str, Puppet]]:
+    """The harness's puppet model on a loopback port: (its /v1 URL, the puppet)."""
+    puppet = Puppet()
+    app = create_app(puppet)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning"))
@@ -97,15 +98,15 @@ async def scripted_model() -> AsyncIterator[tuple[str, dict[str, list[dict[str, 
 
     async def started() -> bool:
         return server.started
-    await eventually(started, 10, "scripted model did not start")
+    await eventually(started, 10, "puppet model did not start")
     try:
-        yield f"http://127.0.0.1:{port}/v1", ledger
+        yield f"http://127.0.0.1:{port}/v1", puppet
     finally:
         server.should_exit = True
         await serving
 
 
 @pytest.fixture
-async def model() -> AsyncIterator[tuple[str, dict[str, list[dict[str, Any]]]]]:
-    async with scripted_model() as m:
+async def model() -> AsyncIterator[tuple[str, Puppet]]:
+    async with puppet_model() as m:
         yield m

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from harness.puppet import Puppet
 from tests.conftest import COVEYD
 from tests.support.plane import Plane, World, eventually, free_port, make_world, start_plane
 from tests.support.tcp_proxy import CuttableProxy
@@ -19,7 +20,7 @@ from tests.support.tcp_proxy import CuttableProxy
 
 @pytest.fixture
 async def cworld(database_url: str, tmp_path: Path,
-                 model: tuple[str, dict[str, Any]]) -> AsyncIterator[World]:
+                 model: tuple[str, Puppet]) -> AsyncIterator[World]:
     async with start_plane(database_url, tmp_path, COVEYD, model_url=model[0]) as plane, \
             make_world(plane) as world:
         yield world
@@ -54,13 +55,13 @@ async def test_an_agent_works_a_task_and_falls_asleep(cworld: World) -> None:
 
 
 async def test_a_kill_ends_the_daemon_with_code_3(
-        cworld: World, model: tuple[str, dict[str, list[dict[str, Any]]]]) -> None:
-    ledger = model[1]
+        cworld: World, model: tuple[str, Puppet]) -> None:
+    puppet = model[1]
     agent = await cworld.agent()
     task = await cworld.task(agent["id"], "model:silent")
 
     async def busy() -> bool:
-        return len(ledger[agent["id"]]) >= 3
+        return len(puppet.actions(agent["id"])) >= 3
     await eventually(busy, 20, "the agent never got going")
     r = await cworld.security.post(f"/api/v1/agents/{agent['id']}/kill")
     acknowledged_ns = time.time_ns()
@@ -71,7 +72,7 @@ async def test_a_kill_ends_the_daemon_with_code_3(
     assert "kill switch" in log and "daemon terminates immediately" in log
     assert await cworld.task_state(task["id"]) == "open"
     # Nothing the agent asked its model for began after the kill was acknowledged.
-    assert [e for e in ledger[agent["id"]] if e["at_ns"] > acknowledged_ns] == []
+    assert [e for e in puppet.actions(agent["id"]) if e.at_ns > acknowledged_ns] == []
 
 
 @pytest.mark.parametrize(("behaviour", "layer", "title"), [
@@ -113,7 +114,7 @@ async def test_a_guard_trip_stops_records_alerts_and_holds_the_agent(
 
 async def test_cutting_the_control_channel_stops_the_agent_within_the_lease(
         database_url: str, tmp_path: Path,
-        model: tuple[str, dict[str, list[dict[str, Any]]]]) -> None:
+        model: tuple[str, Puppet]) -> None:
     port = free_port()
     lease_s = 1.0
     async with CuttableProxy("127.0.0.1", port) as proxy:
@@ -125,7 +126,7 @@ async def test_cutting_the_control_channel_stops_the_agent_within_the_lease(
             await world.task(agent["id"], "model:silent")
 
             async def busy() -> bool:
-                return len(model[1][agent["id"]]) >= 2
+                return len(model[1].actions(agent["id"])) >= 2
             await eventually(busy, 20, "the agent never got going")
             proxy.cut()
             cut_at = time.monotonic()
@@ -187,14 +188,14 @@ async def test_a_changed_task_releases_a_guard_hold_and_nothing_else(cworld: Wor
 
 
 async def test_a_sandbox_sees_none_of_the_control_planes_secrets(
-        cworld: World, model: tuple[str, dict[str, list[dict[str, Any]]]],
+        cworld: World, model: tuple[str, Puppet],
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DATABASE_URL", "postgresql://secret@db/covey")
     monkeypatch.setenv("COVEY_MODEL_API_KEY", "sk-for-the-model")
     agent = await cworld.agent()
     task = await cworld.task(agent["id"], "model:print_env")
     await cworld.wait_task(task["id"], "done")
-    [printed] = [e for e in model[1][agent["id"]] if e["step"] == 1]
-    env = printed["tool_results"][0]
+    [printed] = [e for e in model[1].actions(agent["id"]) if e.step == 1]
+    env = printed.tool_results[0]
     assert "COVEY_AGENT_ID=" in env and "COVEY_MODEL_API_KEY=sk-for-the-model" in env
     assert "DATABASE_URL" not in env and "secret@db" not in env

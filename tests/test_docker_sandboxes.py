@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from harness.puppet import Puppet
 from tests.support.plane import World, eventually, free_port, make_world, start_plane
 from tests.support.tcp_proxy import CuttableProxy
 
@@ -37,7 +38,7 @@ def docker_client() -> Iterator[Any]:
 
 
 @pytest.fixture
-async def dworld(database_url: str, tmp_path: Path, model: tuple[str, dict[str, Any]],
+async def dworld(database_url: str, tmp_path: Path, model: tuple[str, Puppet],
                  docker_client: Any) -> AsyncIterator[World]:
     gameday = f"test-{uuid.uuid4().hex[:8]}"
     async with start_plane(database_url, tmp_path, ["coveyd"], model_url=model[0],
@@ -77,12 +78,12 @@ async def test_an_agent_works_a_task_in_a_container(dworld: World, docker_client
 
 
 async def test_a_kill_exits_3_and_removes_the_container(
-        dworld: World, docker_client: Any, model: tuple[str, dict[str, Any]]) -> None:
+        dworld: World, docker_client: Any, model: tuple[str, Puppet]) -> None:
     agent = await dworld.agent()
     task = await dworld.task(agent["id"], "model:silent")
 
     async def busy() -> bool:
-        return len(model[1][agent["id"]]) >= 2
+        return len(model[1].actions(agent["id"])) >= 2
     await eventually(busy, 60, "the agent never got going in its container")
     [container] = _containers(docker_client, dworld)
     assert container.labels["covey.agent"] == agent["id"]
@@ -97,7 +98,7 @@ async def test_a_kill_exits_3_and_removes_the_container(
 
 
 async def test_cutting_the_channel_stops_a_containerised_agent_within_the_lease(
-        database_url: str, tmp_path: Path, model: tuple[str, dict[str, Any]],
+        database_url: str, tmp_path: Path, model: tuple[str, Puppet],
         docker_client: Any) -> None:
     port, lease_s = free_port(), 1.0
     gameday = f"test-{uuid.uuid4().hex[:8]}"
@@ -110,7 +111,7 @@ async def test_cutting_the_channel_stops_a_containerised_agent_within_the_lease(
         await world.task(agent["id"], "model:silent")
 
         async def busy() -> bool:
-            return len(model[1][agent["id"]]) >= 2
+            return len(model[1].actions(agent["id"])) >= 2
         await eventually(busy, 60, "the agent never got going in its container")
         proxy.cut()
         cut_at = time.monotonic()

@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 
+from harness.puppet import Puppet
 from tests.conftest import COVEYD
 from tests.support.plane import World, eventually, make_world, start_plane
 
 
 @pytest.fixture
 async def lworld(database_url: str, tmp_path: Path,
-                 model: tuple[str, dict[str, Any]]) -> AsyncIterator[World]:
+                 model: tuple[str, Puppet]) -> AsyncIterator[World]:
     async with start_plane(database_url, tmp_path, COVEYD, model_url=model[0],
                            warm_sync_s=1) as plane, make_world(plane) as world:
         yield world
@@ -96,7 +97,7 @@ async def test_a_warm_sandbox_is_parked_reused_synced_and_evicted_by_a_kill(
 
 
 async def test_an_idle_parked_sandbox_really_falls_asleep(
-        database_url: str, tmp_path: Path, model: tuple[str, dict[str, Any]]) -> None:
+        database_url: str, tmp_path: Path, model: tuple[str, Puppet]) -> None:
     async with start_plane(database_url, tmp_path, COVEYD, model_url=model[0],
                            warm_sync_s=3600, warm_idle_s=1) as plane, \
             make_world(plane) as world:

@@ -1,0 +1,1 @@
+"""The game-day harness: stack, client, puppet model, nemesis, history, checkers, measure."""

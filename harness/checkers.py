@@ -1,0 +1,309 @@
+"""Checkers: pure functions from a game day's history (and what the harness read at the end)
+to a verdict that points at the events proving it. The run only records; these judge after.
+
+What they read from the history (see harness.history and harness.stops):
+* `kill_agent`, `kill_fleet`, `resume_agent`, `resume_fleet`: operator operations;
+* `action` by process `agent:<id>`: one entry of the puppet model's ledger, at its own time;
+* `task_state` with `value = {"task_id", "state", "agent_id"}`: a task's state as read back;
+  the harness reads every task right before a kill's invoke and again after its ok;
+* `wake` / `session_start` with `value["agent_id"]`: an agent seen starting work (an ok whose
+  value says `"outcome"` other than `"started"`, such as a refused wake request, is none);
+* `fault_start` / `fault_heal` by the nemesis, with `value["fault_id"]`.
+
+A verdict is `unknown` when the history holds nothing to judge or cannot tell (an outcome
+nobody knows), never a pass by default.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal, NotRequired, TypedDict
+
+from harness.history import History, Operation
+from harness.stops import RESUME_SCOPES, Stop, holding, stops
+
+Validity = bool | Literal["unknown"]
+
+WAKE_FS = ("wake", "session_start")
+TASK_STATE_F = "task_state"
+ACTION_F = "action"
+
+
+class FinalTask(TypedDict):
+    """A task as read at the end of the game day."""
+
+    state: str  # open | in_progress | blocked | done | failed | cancelled
+    agent_id: str
+    done_count: int  # how many times it was completed, counted from task_transitions
+
+
+class FinalAgent(TypedDict):
+    """An agent as read at the end of the game day."""
+
+    killed: bool
+    kill_origin: str | None  # "agent", "fleet", a guard layer...; None when not killed
+    org_id: NotRequired[str]  # only needed when a game day has more than one organisation
+
+
+@dataclass(frozen=True)
+class FinalState:
+    """What the harness read from the system under test once the game day was over."""
+
+    tasks: dict[str, FinalTask] = field(default_factory=dict)
+    agents: dict[str, FinalAgent] = field(default_factory=dict)
+
+    def org_of(self, agent_id: str) -> str | None:
+        agent = self.agents.get(agent_id)
+        return None if agent is None else agent.get("org_id")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    checker: str
+    valid: Validity
+    message: str  # a sentence a human can act on
+    evidence: tuple[int, ...] = ()  # event indexes; for a failure, the offending events
+
+
+Checker = Callable[[History, FinalState], Verdict]
+
+
+def no_action_after_kill_ack(history: History, final: FinalState) -> Verdict:
+    """No agent action started after its kill was acknowledged, until a resume released it."""
+    name = "no_action_after_kill_ack"
+    all_stops = stops(history)
+    acknowledged = [s for s in all_stops if s.acknowledged_ns is not None]
+    if not acknowledged:
+        return Verdict(name, "unknown", "No kill was acknowledged in this game day, so there is "
+                       "no stop to judge the agents' actions against.")
+    actions = [op for op in history.operations(ACTION_F) if op.agent_id is not None]
+    offences: dict[tuple[str, int], list[Operation]] = defaultdict(list)
+    stop_of: dict[int, Stop] = {}
+    for action in actions:
+        agent_id = _agent(action)
+        stop = holding(all_stops, agent_id, final.org_of(agent_id), action.start_ns)
+        if stop is not None:
+            offences[(agent_id, stop.kill.first_index)].append(action)
+            stop_of[stop.kill.first_index] = stop
+    if not offences:
+        return Verdict(name, True, f"No agent action started after an acknowledged kill "
+                       f"({_count(len(actions), 'action')} against "
+                       f"{_count(len(acknowledged), 'kill')}).",
+                       tuple(s.kill.last_index for s in acknowledged))
+    evidence: set[int] = set()
+    lines = []
+    for (agent_id, kill_index), acted in sorted(offences.items()):
+        stop = stop_of[kill_index]
+        ack_ns = stop.acknowledged_ns or 0
+        evidence.update([stop.kill.last_index, *(a.first_index for a in acted)])
+        lines.append(f"agent {agent_id} acted {_count(len(acted), 'time')} after the {stop.kill.f} "
+                     f"acknowledged at event {stop.kill.last_index} (the last "
+                     f"{_ms(max(a.start_ns for a in acted) - ack_ns)} after it)")
+    return Verdict(name, False, _sentence("Actions started after the kill was acknowledged",
+                                          lines, "the kill did not stop these agents"),
+                   tuple(sorted(evidence)))
+
+
+def in_progress_requeued(history: History, final: FinalState) -> Verdict:
+    """Every task `in_progress` at a kill is `open` again once the kill is acknowledged."""
+    name = "in_progress_requeued"
+    all_stops = [s for s in stops(history) if s.acknowledged_ns is not None]
+    if not all_stops:
+        return Verdict(name, "unknown", "No kill was acknowledged in this game day, so no "
+                       "task had to be requeued.")
+    reads = task_reads(history)
+    failures: list[str] = []
+    unclear: list[str] = []
+    evidence: set[int] = set()
+    failed_evidence: set[int] = set()
+    judged = 0
+    for stop in all_stops:
+        if stop.lifted_ns is not None and stop.lifted_ns <= (stop.acknowledged_ns or 0):
+            continue  # a resume raced the kill: nothing stood long enough to judge
+        for before, _ in tasks_in_progress_at(stop, reads, final):
+            judged += 1
+            task_id = str(before.value["task_id"])
+            after = next((r for r in reads if r.value["task_id"] == task_id
+                          and r.end_ns is not None and stop.holds_at(r.start_ns)), None)
+            evidence.update([before.last_index, stop.kill.last_index])
+            if after is None:
+                unclear.append(f"task {task_id} was not read after the {stop.kill.f} at event "
+                               f"{stop.kill.last_index}")
+                continue
+            evidence.add(after.last_index)
+            state = after.value.get("state")
+            if state == "open":
+                continue
+            if state == "done":
+                # It may have been finished just before the kill took effect; this history
+                # cannot order the two.
+                unclear.append(f"task {task_id} was done at event {after.last_index}, "
+                               f"possibly finished before the kill took effect")
+                continue
+            failed_evidence.update([before.last_index, stop.kill.last_index, after.last_index])
+            failures.append(f"task {task_id} was {state} at event {after.last_index} after the "
+                            f"{stop.kill.f} acknowledged at event {stop.kill.last_index}")
+    if failures:
+        return Verdict(name, False, _sentence("In-progress tasks were not requeued by the kill",
+                                              failures, "their work is stuck until someone "
+                                              "requeues it"), tuple(sorted(failed_evidence)))
+    if unclear:
+        return Verdict(name, "unknown", _sentence("Cannot tell whether every in-progress task "
+                                                  "was requeued", unclear,
+                                                  "read each task right after the kill's ok"),
+                       tuple(sorted(evidence)))
+    return Verdict(name, True, f"Every task in progress at a kill was open again after it "
+                   f"({_count(judged, 'task')}, {_count(len(all_stops), 'kill')}).",
+                   tuple(sorted(evidence)))
+
+
+def each_task_done_once_after_resume(history: History, final: FinalState) -> Verdict:
+    """After resume, every task ends done exactly once (read from the final state)."""
+    name = "each_task_done_once_after_resume"
+    resumes = [op for op in history.operations(RESUME_SCOPES) if op.type == "ok"]
+    if not resumes:
+        return Verdict(name, "unknown", "No resume was acknowledged in this game day, so "
+                       "nothing had to be finished after one.")
+    if not final.tasks:
+        return Verdict(name, "unknown", "The harness read no tasks at the end of the game day.",
+                       tuple(r.last_index for r in resumes))
+    wrong = {task_id: task for task_id, task in sorted(final.tasks.items())
+             if task["state"] != "done" or task["done_count"] != 1}
+    resume_evidence = [r.last_index for r in resumes]
+    if not wrong:
+        return Verdict(name, True, f"Every task ended done exactly once after resume "
+                       f"({_count(len(final.tasks), 'task')}).", tuple(resume_evidence))
+    first_resume_ns = min(r.start_ns for r in resumes)
+    reads = [e.index for e in history.select(f=TASK_STATE_F)
+             if e.value.get("task_id") in wrong and e.time_ns >= first_resume_ns]
+    lines = [f"task {task_id} ended {task['state']} and was done "
+             f"{_count(task['done_count'], 'time')}"
+             for task_id, task in wrong.items()]
+    return Verdict(name, False, _sentence(f"{len(wrong)} of {len(final.tasks)} tasks did not "
+                                          f"end done exactly once after resume", lines,
+                                          "work was lost or done twice"),
+                   tuple(sorted({*resume_evidence, *reads})))
+
+
+def no_wake_of_stopped_agent(history: History, final: FinalState) -> Verdict:
+    """No agent was seen starting work while its stop stood."""
+    name = "no_wake_of_stopped_agent"
+    all_stops = stops(history)
+    acknowledged = [s for s in all_stops if s.acknowledged_ns is not None]
+    if not acknowledged:
+        return Verdict(name, "unknown", "No kill was acknowledged in this game day, so no "
+                       "agent stood stopped.")
+    wakes = [op for op in history.operations(WAKE_FS)
+             if op.type == "ok" and op.end_ns is not None and op.agent_id is not None
+             and op.value.get("outcome", "started") == "started"]
+    lines: list[str] = []
+    evidence: set[int] = set()
+    for wake in wakes:
+        agent_id = _agent(wake)
+        stop = holding(all_stops, agent_id, final.org_of(agent_id), wake.start_ns, wake.end_ns)
+        if stop is None:
+            continue
+        evidence.update([stop.kill.last_index, *wake.indexes])
+        lines.append(f"agent {agent_id} was woken ({wake.f}) at event {wake.last_index}, "
+                     f"{_ms(wake.start_ns - (stop.acknowledged_ns or 0))} after the "
+                     f"{stop.kill.f} acknowledged at event {stop.kill.last_index}")
+    if lines:
+        return Verdict(name, False, _sentence("Stopped agents were woken", lines,
+                                              "a wake path does not check the flags"),
+                       tuple(sorted(evidence)))
+    return Verdict(name, True, f"No stopped agent was woken ({_count(len(wakes), 'wake')} "
+                   f"against {_count(len(acknowledged), 'kill')}).",
+                   tuple(s.kill.last_index for s in acknowledged))
+
+
+def every_fault_healed(history: History, final: FinalState) -> Verdict:
+    """Every fault the nemesis started (or may have started) was healed after it."""
+    name = "every_fault_healed"
+    started = [op for op in history.operations("fault_start") if op.type != "fail"]
+    if not started:
+        return Verdict(name, True, "No fault was injected in this game day.")
+    heals = history.operations("fault_heal")
+    unhealed: list[str] = []
+    unclear: list[str] = []
+    evidence: set[int] = set()
+    for fault in started:
+        fault_id = fault.value.get("fault_id")
+        after = [h for h in heals if h.value.get("fault_id") == fault_id
+                 and (h.end_ns is None or h.end_ns >= fault.start_ns)]
+        if any(h.type == "ok" for h in after):
+            continue
+        evidence.update([fault.first_index, *(i for h in after for i in h.indexes)])
+        if any(h.type == "info" for h in after):
+            unclear.append(f"fault {fault_id} (event {fault.first_index}): its heal has an "
+                           f"unknown outcome")
+        else:
+            unhealed.append(f"fault {fault_id} (event {fault.first_index}) was never healed")
+    if unhealed:
+        return Verdict(name, False, _sentence("Faults were left in place", unhealed + unclear,
+                                              "heal them by hand before the next game day"),
+                       tuple(sorted(evidence)))
+    if unclear:
+        return Verdict(name, "unknown", _sentence("Cannot tell whether every fault healed",
+                                                  unclear, "check the fault proxy and the "
+                                                  "containers by hand"), tuple(sorted(evidence)))
+    return Verdict(name, True, f"Every fault was healed ({_count(len(started), 'fault')}).",
+                   tuple(sorted(i for h in heals if h.type == "ok" for i in h.indexes)))
+
+
+CHECKERS: tuple[Checker, ...] = (
+    no_action_after_kill_ack,
+    in_progress_requeued,
+    each_task_done_once_after_resume,
+    no_wake_of_stopped_agent,
+    every_fault_healed,
+)
+
+
+def check_all(history: History, final: FinalState) -> list[Verdict]:
+    return [checker(history, final) for checker in CHECKERS]
+
+
+def task_reads(history: History) -> list[Operation]:
+    """The successful `task_state` reads, in order of start."""
+    return [r for r in history.operations(TASK_STATE_F)
+            if r.type == "ok" and isinstance(r.value.get("task_id"), str)]
+
+
+def tasks_in_progress_at(stop: Stop, reads: list[Operation], final: FinalState
+                         ) -> list[tuple[Operation, str]]:
+    """The last `task_state` read of each task before the kill's invoke, for the tasks it
+    showed `in_progress` and the kill covers, with their agent (from the read, else `final`)."""
+    latest: dict[str, Operation] = {}
+    for read in reads:
+        if read.end_ns is not None and read.end_ns < stop.kill.start_ns:
+            latest[str(read.value["task_id"])] = read  # reads come in order of start
+    found = []
+    for task_id, read in latest.items():
+        task = final.tasks.get(task_id)
+        agent_id = read.agent_id or (None if task is None else task["agent_id"])
+        if (read.value.get("state") == "in_progress" and agent_id is not None
+                and stop.covers(agent_id, final.org_of(agent_id))):
+            found.append((read, agent_id))
+    return found
+
+
+def _agent(op: Operation) -> str:
+    if op.agent_id is None:
+        raise ValueError(f"event {op.first_index} ({op.f}) names no agent")
+    return op.agent_id
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _ms(ns: int) -> str:
+    return f"{ns / 1e6:.1f} ms"
+
+
+def _sentence(head: str, items: Iterable[str], then: str, shown: int = 5) -> str:
+    listed = list(items)
+    more = f"; and {len(listed) - shown} more" if len(listed) > shown else ""
+    return f"{head}: {'; '.join(listed[:shown])}{more}. {then[0].upper()}{then[1:]}."

@@ -1,0 +1,190 @@
+"""The puppet model: an OpenAI-compatible chat-completions endpoint that answers each agent
+from a behaviour, and keeps a ledger of everything the agents asked and every tool result
+they reported, with wall-clock nanoseconds. The ledger is the ground truth of what each agent
+did, taken outside the system under test (DESIGN §3).
+
+An agent's behaviour is what the harness assigned to it (`Puppet.assign`, or
+`POST /puppet/agents/{id}`); failing that, a `model:<behaviour>` marker in its task text;
+failing that, `well_behaved`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+# USD per million tokens in coveyd's price table for the model "puppet": (1.0, 2.0).
+Reply = dict[str, Any]
+
+
+def _call(name: str, args: dict[str, Any]) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:8]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args)}}
+
+
+def _reply(calls: list[dict[str, Any]] | None, content: str | None = None,
+           prompt_tokens: int = 100, completion_tokens: int = 20) -> Reply:
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex[:8]}", "object": "chat.completion",
+        "created": int(time.time()), "model": "puppet",
+        "choices": [{"index": 0, "finish_reason": "tool_calls" if calls else "stop",
+                     "message": {"role": "assistant", "content": content,
+                                 **({"tool_calls": calls} if calls else {})}}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }
+
+
+def well_behaved(step: int, base_url: str) -> Reply:
+    """A few real steps, then finish."""
+    script = [_call("write_file", {"path": "notes.txt", "content": "step one\n"}),
+              _call("shell", {"cmd": "cat notes.txt"}),
+              _call("finish", {"result": "wrote notes.txt"})]
+    return _reply([script[min(step, 2)]])
+
+
+def rm_rf_loop(step: int, base_url: str) -> Reply:
+    return _reply([_call("shell", {"cmd": "rm -rf ./*"})])
+
+
+def identical_call_loop(step: int, base_url: str) -> Reply:
+    return _reply([_call("shell", {"cmd": "ls -la"})])
+
+
+def ab_cycle(step: int, base_url: str) -> Reply:
+    if step % 2 == 0:
+        return _reply([_call("read_file", {"path": "a.txt"})])
+    return _reply([_call("write_file", {"path": "a.txt", "content": "x"})])
+
+
+def runaway_spend(step: int, base_url: str) -> Reply:
+    """Each answer reports a huge prompt: $0.15 a call at the puppet's price."""
+    return _reply([_call("shell", {"cmd": f"echo {step}"})], prompt_tokens=150_000)
+
+
+def failing_tool_hammer(step: int, base_url: str) -> Reply:
+    return _reply([_call("http_request", {"url": f"{base_url}/puppet/fail?n={step}"})])
+
+
+def silent(step: int, base_url: str) -> Reply:
+    """Never finishes and never repeats itself: only a switch stops it."""
+    return _reply([_call("shell", {"cmd": f"sleep 0.2; echo tick {step}"})])
+
+
+def slow_writer(step: int, base_url: str) -> Reply:
+    """A multi-step write: one part a step, a pause between, then finish."""
+    if step < 8:
+        return _reply([_call("shell", {"cmd": f"sleep 0.25; echo part {step} >> draft.txt"})])
+    return _reply([_call("finish", {"result": "draft.txt written in 8 parts"})])
+
+
+def print_env(step: int, base_url: str) -> Reply:
+    if step == 0:
+        return _reply([_call("shell", {"cmd": "env"})])
+    return _reply([_call("finish", {"result": "printed"})])
+
+
+def write_then_silent(step: int, base_url: str) -> Reply:
+    if step == 0:
+        return _reply([_call("write_file", {"path": "notes.txt", "content": "step two\n"})])
+    return silent(step, base_url)
+
+
+BEHAVIOURS: dict[str, Callable[[int, str], Reply]] = {
+    f.__name__: f for f in (well_behaved, rm_rf_loop, identical_call_loop, ab_cycle,
+                            runaway_spend, failing_tool_hammer, silent, slow_writer,
+                            print_env, write_then_silent)
+}
+# The names the daemon's tests have always used.
+BEHAVIOURS["identical_loop"] = identical_call_loop
+_MARKER = re.compile(r"model:(\w+)")
+
+
+@dataclass
+class LedgerEntry:
+    agent_id: str
+    at_ns: int
+    step: int
+    behaviour: str
+    tool_results: list[str]
+
+
+@dataclass
+class Puppet:
+    assigned: dict[str, str] = field(default_factory=dict)
+    ledger: dict[str, list[LedgerEntry]] = field(default_factory=lambda: defaultdict(list))
+
+    def assign(self, agent_id: str, behaviour: str) -> None:
+        if behaviour not in BEHAVIOURS:
+            raise ValueError(f"unknown behaviour {behaviour!r}; known: {', '.join(BEHAVIOURS)}")
+        self.assigned[agent_id] = behaviour
+
+    def behaviour_of(self, agent_id: str, messages: list[dict[str, Any]]) -> str:
+        if agent_id in self.assigned:
+            return self.assigned[agent_id]
+        task = next((str(m.get("content") or "") for m in messages if m.get("role") == "user"),
+                    "")
+        match = _MARKER.search(task)
+        return match.group(1) if match and match.group(1) in BEHAVIOURS else "well_behaved"
+
+    def answer(self, agent_id: str, messages: list[dict[str, Any]], base_url: str) -> Reply:
+        behaviour = self.behaviour_of(agent_id, messages)
+        results = [str(m.get("content")) for m in messages if m.get("role") == "tool"]
+        self.ledger[agent_id].append(LedgerEntry(agent_id, time.time_ns(), len(results),
+                                                 behaviour, results[-1:]))
+        return BEHAVIOURS[behaviour](len(results), base_url)
+
+    def actions(self, agent_id: str) -> list[LedgerEntry]:
+        return list(self.ledger.get(agent_id, []))
+
+
+class AssignIn(BaseModel):
+    behaviour: str
+
+
+def create_app(puppet: Puppet) -> FastAPI:
+    app = FastAPI(title="puppet model")
+
+    @app.post("/v1/chat/completions")
+    async def completions(request: Request) -> JSONResponse:
+        try:
+            body = await request.json()
+            messages = body["messages"]
+            if not isinstance(messages, list):
+                raise TypeError("messages must be a list")
+        except (ValueError, KeyError, TypeError) as exc:
+            return JSONResponse({"error": {"message": f"bad request: {exc}"}}, status_code=400)
+        agent = request.headers.get("x-covey-agent", "?")
+        base = str(request.base_url).rstrip("/")
+        return JSONResponse(puppet.answer(agent, messages, base))
+
+    @app.post("/puppet/agents/{agent_id}", status_code=204)
+    async def assign(agent_id: str, body: AssignIn) -> None:
+        try:
+            puppet.assign(agent_id, body.behaviour)
+        except ValueError as exc:
+            from fastapi import HTTPException
+
+            raise HTTPException(422, str(exc)) from None
+
+    @app.get("/puppet/ledger")
+    async def ledger(agent: str | None = None) -> list[dict[str, Any]]:
+        entries = puppet.actions(agent) if agent else [
+            e for rows in puppet.ledger.values() for e in rows]
+        return [asdict(e) for e in sorted(entries, key=lambda e: e.at_ns)]
+
+    @app.get("/puppet/fail")
+    async def fail() -> JSONResponse:
+        return JSONResponse({"error": "always failing"}, status_code=500)
+
+    return app

@@ -1,0 +1,241 @@
+"""Each checker passes a clean game day and catches a history built to violate it, naming
+the offending events."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from harness.checkers import (
+    FinalState,
+    check_all,
+    each_task_done_once_after_resume,
+    every_fault_healed,
+    in_progress_requeued,
+    no_action_after_kill_ack,
+    no_wake_of_stopped_agent,
+)
+from tests.harness.builders import GameDay, clean_game_day
+
+
+def test_a_clean_game_day_passes_every_checker() -> None:
+    day, final = clean_game_day()
+    verdicts = check_all(day.history, final)
+    assert [v.checker for v in verdicts] == [
+        "no_action_after_kill_ack", "in_progress_requeued", "each_task_done_once_after_resume",
+        "no_wake_of_stopped_agent", "every_fault_healed"]
+    assert [(v.checker, v.valid) for v in verdicts if v.valid is not True] == []
+    assert all(v.evidence for v in verdicts)
+
+
+# ---------------------------------------------------------------- no action after the ack
+
+
+def test_an_action_after_the_fleet_kill_ack_is_caught() -> None:
+    day, final = clean_game_day()
+    late = day.action("a2", 180)
+    verdict = no_action_after_kill_ack(day.history, final)
+    assert verdict.valid is False
+    ack = day.history.select(f="kill_fleet", type="ok")[0]
+    assert verdict.evidence == tuple(sorted((ack.index, late.index)))
+    assert "agent a2 acted 1 time after the kill_fleet acknowledged" in verdict.message
+    assert "60.0 ms after" in verdict.message
+
+
+def test_an_action_after_an_agent_kill_ack_is_caught_only_for_that_agent() -> None:
+    day = GameDay()
+    _, ack = day.kill_agent("a1", 100, 110)
+    late = day.action("a1", 150)
+    day.action("a2", 150)  # another agent, not stopped
+    verdict = no_action_after_kill_ack(day.history, FinalState())
+    assert verdict.valid is False
+    assert verdict.evidence == (ack.index, late.index)
+
+
+def test_an_action_between_kill_invoke_and_ack_is_allowed() -> None:
+    day = GameDay()
+    day.kill_agent("a1", 100, 110)
+    day.action("a1", 105)
+    assert no_action_after_kill_ack(day.history, FinalState()).valid is True
+
+
+def test_releasing_one_agent_while_the_fleet_stop_stands_does_not_free_it() -> None:
+    day = GameDay()
+    _, fleet_ack = day.kill_fleet(100, 110)
+    day.resume_agent("a1", 150, 155)
+    late = day.action("a1", 170)
+    verdict = no_action_after_kill_ack(day.history, FinalState())
+    assert verdict.valid is False
+    assert verdict.evidence == (fleet_ack.index, late.index)
+
+
+def test_a_fleet_resume_does_not_free_an_agent_killed_on_its_own() -> None:
+    day = GameDay()
+    _, own_ack = day.kill_agent("a1", 50, 60)
+    day.kill_fleet(100, 110)
+    day.resume_fleet(200, 210)
+    day.action("a2", 250)  # released by the fleet resume
+    late = day.action("a1", 250)
+    verdict = no_action_after_kill_ack(day.history, FinalState())
+    assert verdict.valid is False
+    assert verdict.evidence == (own_ack.index, late.index)
+
+
+def test_a_fleet_kill_of_another_organisation_does_not_hold_this_one() -> None:
+    day = GameDay()
+    _, ack = day.operation("operator:security", "kill_fleet", {"org_id": "org-b"}, 100, 110)
+    day.action("a1", 150)
+    late = day.action("b1", 150)
+    final = FinalState(agents={"a1": {"killed": False, "kill_origin": None, "org_id": "org-a"},
+                               "b1": {"killed": True, "kill_origin": "fleet",
+                                      "org_id": "org-b"}})
+    verdict = no_action_after_kill_ack(day.history, final)
+    assert verdict.valid is False
+    assert verdict.evidence == (ack.index, late.index)
+
+
+def test_a_kill_with_unknown_outcome_holds_nobody_to_it() -> None:
+    day = GameDay()
+    day.operation("operator:security", "kill_fleet", {}, 100, 200, outcome="info")
+    day.action("a1", 300)
+    verdict = no_action_after_kill_ack(day.history, FinalState())
+    assert verdict.valid == "unknown"
+    assert "No kill was acknowledged" in verdict.message
+
+
+# ---------------------------------------------------------------- in progress requeued
+
+
+def test_a_task_still_in_progress_after_the_kill_is_caught() -> None:
+    day, final = clean_game_day()
+    before = day.history.select(f="task_state")[0]
+    assert before.value == {"task_id": "t1", "agent_id": "a1", "state": "in_progress"}
+    stuck = day.task("t1", "a1", "in_progress", 121)  # the first read after the ack
+    verdict = in_progress_requeued(day.history, final)
+    assert verdict.valid is False
+    ack = day.history.select(f="kill_fleet", type="ok")[0]
+    assert verdict.evidence == tuple(sorted((before.index, ack.index, stuck.index)))
+    assert "task t1 was in_progress" in verdict.message
+
+
+def test_a_task_only_open_again_after_resume_is_caught() -> None:
+    day = GameDay()
+    before = day.task("t1", "a1", "in_progress", 90)
+    _, ack = day.kill_agent("a1", 100, 110)
+    stuck = day.task("t1", "a1", "in_progress", 120)
+    day.resume_agent("a1", 200, 210)
+    day.task("t1", "a1", "open", 220)
+    verdict = in_progress_requeued(day.history, FinalState())
+    assert verdict.valid is False
+    assert verdict.evidence == (before.index, ack.index, stuck.index)
+
+
+def test_tasks_of_an_agent_the_kill_does_not_cover_are_not_judged() -> None:
+    day = GameDay()
+    day.task("t1", "a1", "in_progress", 90)
+    day.task("t2", "a2", "in_progress", 90)
+    day.kill_agent("a1", 100, 110)
+    day.task("t1", "a1", "open", 120)
+    day.task("t2", "a2", "in_progress", 120)
+    assert in_progress_requeued(day.history, FinalState()).valid is True
+
+
+def test_a_task_not_read_after_the_kill_leaves_the_verdict_unknown() -> None:
+    day = GameDay()
+    before = day.task("t1", "a1", "in_progress", 90)
+    _, ack = day.kill_agent("a1", 100, 110)
+    verdict = in_progress_requeued(day.history, FinalState())
+    assert verdict.valid == "unknown"
+    assert verdict.evidence == (before.index, ack.index)
+    assert "not read after" in verdict.message
+
+
+# ---------------------------------------------------------------- done exactly once
+
+
+def test_a_task_done_twice_or_never_after_resume_is_caught() -> None:
+    day, final = clean_game_day()
+    tasks = dict(final.tasks)
+    tasks["t2"] = {"state": "done", "agent_id": "a2", "done_count": 2}
+    tasks["t3"] = {"state": "open", "agent_id": "a2", "done_count": 0}
+    verdict = each_task_done_once_after_resume(day.history, replace(final, tasks=tasks))
+    assert verdict.valid is False
+    resume_ack = day.history.select(f="resume_fleet", type="ok")[0]
+    assert resume_ack.index in verdict.evidence
+    assert "2 of 3 tasks" in verdict.message
+    assert "task t2 ended done and was done 2 times" in verdict.message
+    assert "task t3 ended open and was done 0 times" in verdict.message
+
+
+def test_done_once_is_unknown_without_a_resume() -> None:
+    day = GameDay()
+    day.kill_fleet(100, 110)
+    final = FinalState(tasks={"t1": {"state": "open", "agent_id": "a1", "done_count": 0}})
+    assert each_task_done_once_after_resume(day.history, final).valid == "unknown"
+
+
+# ---------------------------------------------------------------- no wake while stopped
+
+
+def test_a_session_started_while_the_fleet_stop_stands_is_caught() -> None:
+    day, final = clean_game_day()
+    woken = day.seen("session_start", "a2", 200)
+    verdict = no_wake_of_stopped_agent(day.history, final)
+    assert verdict.valid is False
+    ack = day.history.select(f="kill_fleet", type="ok")[0]
+    assert verdict.evidence == (ack.index, woken.index)
+    assert "agent a2 was woken (session_start)" in verdict.message
+
+
+def test_a_wake_request_that_started_the_agent_while_stopped_is_caught() -> None:
+    day = GameDay()
+    _, ack = day.kill_agent("a1", 100, 110)
+    invoke, done = day.operation("operator:owner", "wake", {"agent_id": "a1"}, 150, 160,
+                                 result={"outcome": "started"})
+    verdict = no_wake_of_stopped_agent(day.history, FinalState())
+    assert verdict.valid is False
+    assert verdict.evidence == (ack.index, invoke.index, done.index)
+
+
+def test_a_wake_after_the_resume_is_allowed() -> None:
+    day = GameDay()
+    day.kill_agent("a1", 100, 110)
+    day.resume_agent("a1", 200, 210)
+    day.seen("wake", "a1", 205)
+    assert no_wake_of_stopped_agent(day.history, FinalState()).valid is True
+
+
+# ---------------------------------------------------------------- faults healed
+
+
+def test_a_fault_never_healed_is_caught() -> None:
+    day, final = clean_game_day()
+    start, _ = day.operation("nemesis", "fault_start", {"fault_id": "pause-db"}, 260, 261)
+    failed_heal, failed_heal_done = day.operation("nemesis", "fault_heal",
+                                                  {"fault_id": "pause-db"}, 270, 271,
+                                                  outcome="fail")
+    verdict = every_fault_healed(day.history, final)
+    assert verdict.valid is False
+    assert verdict.evidence == (start.index, failed_heal.index, failed_heal_done.index)
+    assert "fault pause-db" in verdict.message
+
+
+def test_a_heal_before_the_fault_started_does_not_count() -> None:
+    day = GameDay()
+    day.operation("nemesis", "fault_heal", {"fault_id": "f1"}, 10, 11)
+    start, _ = day.operation("nemesis", "fault_start", {"fault_id": "f1"}, 20, 21)
+    verdict = every_fault_healed(day.history, FinalState())
+    assert verdict.valid is False
+    assert verdict.evidence == (start.index,)
+
+
+def test_a_heal_with_unknown_outcome_leaves_the_verdict_unknown() -> None:
+    day = GameDay()
+    day.operation("nemesis", "fault_start", {"fault_id": "f1"}, 20, 21)
+    day.operation("nemesis", "fault_heal", {"fault_id": "f1"}, 30, 40, outcome="info")
+    assert every_fault_healed(day.history, FinalState()).valid == "unknown"
+
+
+def test_a_fault_that_failed_to_start_needs_no_heal() -> None:
+    day = GameDay()
+    day.operation("nemesis", "fault_start", {"fault_id": "f1"}, 20, 21, outcome="fail")
+    assert every_fault_healed(day.history, FinalState()).valid is True

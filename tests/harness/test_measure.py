@@ -1,0 +1,75 @@
+"""Time-to-stop from a history, part by part, and its percentiles through the HDR histogram."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.measure import TimeToStop, percentiles, summarize, time_to_stop
+from tests.harness.builders import MS, GameDay, clean_game_day
+
+
+def test_percentiles_of_known_samples() -> None:
+    samples = [ms * MS for ms in range(1, 1001)]  # 1 ms .. 1000 ms
+    result = percentiles(samples)
+    assert result.count == 1000
+    # Three significant figures: each within 0.1 % of the exact value.
+    assert result.p50_us == pytest.approx(500_000, rel=1e-3)
+    assert result.p90_us == pytest.approx(900_000, rel=1e-3)
+    assert result.p99_us == pytest.approx(990_000, rel=1e-3)
+    assert result.max_us == 1_000_000
+
+
+def test_one_slow_agent_shows_in_p99_not_in_p50() -> None:
+    result = percentiles([10 * MS] * 99 + [5_000 * MS])
+    assert result.p50_us == pytest.approx(10_000, rel=1e-3)
+    assert result.p99_us == pytest.approx(10_000, rel=1e-3)
+    assert result.max_us == 5_000_000
+    assert percentiles([10 * MS] * 98 + [5_000 * MS] * 2).p99_us == pytest.approx(
+        5_000_000, rel=1e-3)
+
+
+def test_percentiles_refuse_nothing_and_out_of_range() -> None:
+    with pytest.raises(ValueError, match="no samples"):
+        percentiles([])
+    with pytest.raises(ValueError, match="outside"):
+        percentiles([2 * 24 * 3600 * 10**9])
+
+
+def test_time_to_stop_splits_into_its_parts_from_the_kill_invoke() -> None:
+    day, final = clean_game_day()
+    samples = {s.agent_id: s for s in time_to_stop(day.history, final)}
+    kill = day.history.select(f="kill_fleet", type="invoke")[0]
+    assert samples["a1"] == TimeToStop(
+        agent_id="a1", kill_f="kill_fleet", kill_index=kill.index,
+        kill_acknowledged_ns=20 * MS, last_action_ns=10 * MS, daemon_exit_ns=30 * MS,
+        daemon_exit_code=3, sandbox_gone_ns=40 * MS, tasks_requeued_ns=25 * MS)
+    # a2 did nothing after the switch was pulled; its task was read open 26 ms after.
+    assert samples["a2"].last_action_ns is None
+    assert samples["a2"].tasks_requeued_ns == 26 * MS
+    assert samples["a2"].total_ns == 60 * MS
+    assert samples["a1"].total_ns == 40 * MS
+
+
+def test_summary_has_every_part_measured() -> None:
+    day, final = clean_game_day()
+    summary = summarize(time_to_stop(day.history, final))
+    assert summary["kill_acknowledged"].count == 2
+    assert summary["last_action"].count == 1
+    assert summary["daemon_exit"].p50_us == pytest.approx(30_000, rel=1e-3)
+    assert summary["daemon_exit"].max_us == 50_000
+    assert summary["total"].max_us == 60_000
+
+
+def test_an_agent_kill_measures_only_its_agent_and_stops_at_the_resume() -> None:
+    day = GameDay()
+    day.action("a2", 50)
+    day.kill_agent("a1", 100, 105)
+    day.action("a1", 103)
+    day.action("a2", 150)
+    day.seen("daemon_exit", "a1", 120, exit_code=3)
+    day.resume_agent("a1", 200, 210)
+    day.action("a1", 250)  # after the resume: not part of this stop
+    (sample,) = time_to_stop(day.history)
+    assert (sample.agent_id, sample.last_action_ns, sample.daemon_exit_ns) == ("a1", 3 * MS,
+                                                                               20 * MS)
+    assert sample.tasks_requeued_ns is None and sample.sandbox_gone_ns is None
