@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from covey.app import create_app
 from covey.config import Settings
 from covey.orchestrator import Orchestrator
 from covey.security import hash_password, new_token, token_hash
+from harness.waiting import eventually
 
 T = TypeVar("T")
 ROLES = ("org_admin", "agent_owner", "security", "auditor", "controlling")
@@ -82,19 +82,6 @@ async def _started(server: uvicorn.Server, serving: asyncio.Task[None]) -> bool:
         serving.result()  # raises the start-up error
         raise RuntimeError("control plane exited during start-up")
     return server.started
-
-
-async def eventually(check: Callable[[], Awaitable[T]], timeout: float, message: str,
-                     interval: float = 0.05) -> T:
-    """Poll until check() returns something truthy; fail with `message` at the deadline."""
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = await check()
-        if last:
-            return last
-        await asyncio.sleep(interval)
-    raise AssertionError(f"{message} (after {timeout}s; last seen: {last!r})")
 
 
 @dataclass

@@ -1,0 +1,117 @@
+"""A typed client of the covey API (DESIGN §2.2), one per human. Every call returns the
+response; `json_of` insists on the expected status, so a scenario fails with the server's own
+error and hint rather than a KeyError later."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+Json = dict[str, Any]
+
+
+class ApiFailure(AssertionError):
+    def __init__(self, response: httpx.Response, expected: int) -> None:
+        super().__init__(f"{response.request.method} {response.request.url.path} answered "
+                         f"{response.status_code}, expected {expected}: {response.text[:500]}")
+        self.response = response
+
+
+def json_of(response: httpx.Response, expected: int = 200) -> Any:
+    if response.status_code != expected:
+        raise ApiFailure(response, expected)
+    return response.json()
+
+
+class CoveyClient:
+    def __init__(self, base_url: str, token: str | None = None, timeout: float = 30) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    @classmethod
+    async def signed_in(cls, base_url: str, email: str, password: str) -> CoveyClient:
+        """Sign in with email and password, then act with an API token of that human."""
+        anonymous = cls(base_url)
+        try:
+            json_of(await anonymous.http.post("/api/v1/auth/login",
+                                              json={"email": email, "password": password}))
+            token = json_of(await anonymous.http.post("/api/v1/auth/tokens",
+                                                      json={"name": "game day"}), 201)["token"]
+        finally:
+            await anonymous.aclose()
+        return cls(base_url, token)
+
+    # people
+    async def me(self) -> httpx.Response:
+        return await self.http.get("/api/v1/auth/me")
+
+    async def add_member(self, email: str, password: str, role: str) -> httpx.Response:
+        return await self.http.post("/api/v1/members",
+                                    json={"email": email, "password": password, "role": role})
+
+    # agents and their work
+    async def create_agent(self, slug: str, display_name: str, **fields: Any) -> httpx.Response:
+        return await self.http.post("/api/v1/agents",
+                                    json={"slug": slug, "display_name": display_name, **fields})
+
+    async def agent(self, agent_id: str) -> httpx.Response:
+        return await self.http.get(f"/api/v1/agents/{agent_id}")
+
+    async def agents(self) -> httpx.Response:
+        return await self.http.get("/api/v1/agents")
+
+    async def create_task(self, agent_id: str, title: str, body: str = "") -> httpx.Response:
+        return await self.http.post(f"/api/v1/agents/{agent_id}/tasks",
+                                    json={"title": title, "body": body})
+
+    async def backlog(self, agent_id: str) -> httpx.Response:
+        return await self.http.get(f"/api/v1/agents/{agent_id}/backlog")
+
+    async def task(self, agent_id: str, task_id: str) -> httpx.Response:
+        return await self.http.get(f"/api/v1/agents/{agent_id}/tasks/{task_id}")
+
+    async def sandboxes(self, agent_id: str) -> httpx.Response:
+        return await self.http.get(f"/api/v1/agents/{agent_id}/sandboxes")
+
+    async def sessions(self, agent_id: str) -> httpx.Response:
+        return await self.http.get(f"/api/v1/agents/{agent_id}/sessions")
+
+    async def recording(self, agent_id: str) -> httpx.Response:
+        return await self.http.get(f"/api/v1/agents/{agent_id}/recording")
+
+    async def wake(self, agent_id: str) -> httpx.Response:
+        return await self.http.post(f"/api/v1/agents/{agent_id}/wake")
+
+    async def add_heartbeat(self, agent_id: str, name: str, task_body: str,
+                            every_seconds: int) -> httpx.Response:
+        return await self.http.post(f"/api/v1/agents/{agent_id}/heartbeats", json={
+            "name": name, "task_body": task_body, "every_seconds": every_seconds})
+
+    async def fire_heartbeat(self, agent_id: str, name: str) -> httpx.Response:
+        return await self.http.post(f"/api/v1/agents/{agent_id}/heartbeats/{name}/fire")
+
+    async def trigger(self, token: str, title: str = "triggered") -> httpx.Response:
+        return await self.http.post(f"/api/trigger/{token}", json={"title": title})
+
+    # the switches
+    async def kill_agent(self, agent_id: str) -> httpx.Response:
+        return await self.http.post(f"/api/v1/agents/{agent_id}/kill")
+
+    async def resume_agent(self, agent_id: str) -> httpx.Response:
+        return await self.http.post(f"/api/v1/agents/{agent_id}/resume")
+
+    async def kill_fleet(self) -> httpx.Response:
+        return await self.http.post("/api/v1/fleet/kill")
+
+    async def resume_fleet(self) -> httpx.Response:
+        return await self.http.post("/api/v1/fleet/resume")
+
+    async def fleet(self) -> httpx.Response:
+        return await self.http.get("/api/v1/fleet")
+
+    async def notifications(self) -> httpx.Response:
+        return await self.http.get("/api/v1/notifications")

@@ -1,0 +1,204 @@
+"""One game day: the people and agents it generates (from a seed, with faker), the history it
+records, the observations it reads back from the system under test, and its journal.
+
+The scenario does; this records. Judging is the checkers' job, after the fact.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from faker import Faker
+
+from harness.checkers import FinalAgent, FinalState, FinalTask, Verdict, check_all
+from harness.client import CoveyClient, json_of
+from harness.history import History
+from harness.measure import TimeToStop, summarize, time_to_stop
+from harness.stack import Endpoints
+
+ROLES = ("agent_owner", "security", "auditor", "controlling")
+OBSERVER = "observer"
+
+
+def _ns(timestamp: str | None) -> int | None:
+    if timestamp is None:
+        return None
+    return int(datetime.fromisoformat(timestamp).timestamp() * 1_000_000_000)
+
+
+@dataclass
+class GameDay:
+    name: str
+    stack: str
+    endpoints: Endpoints
+    seed: int
+    report_dir: Path
+    history: History = field(default_factory=History)
+    people: dict[str, CoveyClient] = field(default_factory=dict)
+    agents: dict[str, dict[str, Any]] = field(default_factory=dict)
+    steady_state: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    started_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
+    fake: Faker = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.fake = Faker()
+        self.fake.seed_instance(self.seed)
+
+    # ------------------------------------------------------------------ people and agents
+
+    async def enlist(self) -> None:
+        """The org admin from the stack, and one human per other role, made up from the
+        seed (a failing game day replays with the same names)."""
+        e = self.endpoints
+        self.people["org_admin"] = await CoveyClient.signed_in(e.url, e.admin_email,
+                                                               e.admin_password)
+        for role in ROLES:
+            email = f"{role}.{self.fake.user_name()}.{self.seed}@{self.fake.domain_word()}.test"
+            password = self.fake.password(length=16)
+            r = await self.people["org_admin"].add_member(email, password, role)
+            if r.status_code == 409:  # a target reused across game days: same seed, same name
+                pass
+            else:
+                json_of(r, 201)
+            self.people[role] = await CoveyClient.signed_in(e.url, email, password)
+
+    async def agent(self, behaviour: str, warm: bool = False) -> dict[str, Any]:
+        """An agent of this game day whose model answers with `behaviour`."""
+        slug = f"{self.fake.slug()}-{len(self.agents)}-{self.seed}"[:60]
+        name = f"{self.fake.job()} bot"[:200]
+        agent: dict[str, Any] = json_of(await self.people["org_admin"].create_agent(
+            slug, name, warm_sandbox=warm, guard={"max_tokens": 10_000_000}), 201)
+        self.endpoints.puppet.assign(agent["id"], behaviour)
+        agent["behaviour"] = behaviour
+        self.agents[agent["id"]] = agent
+        return agent
+
+    async def task(self, agent_id: str, title: str | None = None) -> dict[str, Any]:
+        task: dict[str, Any] = json_of(await self.people["org_admin"].create_task(
+            agent_id, title or self.fake.sentence(nb_words=5)), 201)
+        return task
+
+    # ------------------------------------------------------------------ operations
+
+    async def operate(self, role: str, f: str, value: dict[str, Any],
+                      call: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response:
+        """Invoke an operation as `role`, recording invoke and outcome: ok for a 2xx, fail
+        for a refusal (a 403 switch was not pulled), info when the request itself failed
+        (nobody knows whether it took effect). The scenario asserts what it expected."""
+        invoke = self.history.invoke(f"operator:{role}", f, value)
+        try:
+            r = await call()
+        except httpx.HTTPError as exc:
+            self.history.complete(invoke, "info", {"error": repr(exc)})
+            raise
+        outcome: Literal["ok", "fail"] = "ok" if r.is_success else "fail"
+        body = r.json() if r.headers.get("content-type", "").startswith("application/json") \
+            else {}
+        self.history.complete(invoke, outcome, {"status": r.status_code, "body": body})
+        return r
+
+    # ------------------------------------------------------------------ observations
+
+    async def read_tasks(self) -> dict[str, dict[str, Any]]:
+        """Every task of every agent, recorded as task_state observations."""
+        tasks: dict[str, dict[str, Any]] = {}
+        for agent_id in self.agents:
+            for t in json_of(await self.people["auditor"].backlog(agent_id)):
+                tasks[t["id"]] = t
+                self.history.observe(OBSERVER, "task_state", {
+                    "task_id": t["id"], "state": t["state"], "agent_id": agent_id})
+        return tasks
+
+    async def sandboxes(self, agent_id: str) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = json_of(await self.people["auditor"].sandboxes(agent_id))
+        return rows
+
+    def copy_ledger(self) -> None:
+        """The puppet model's ledger into the history: each request an agent made is an
+        action, at the time the model saw it."""
+        for agent_id in self.agents:
+            for entry in self.endpoints.puppet.actions(agent_id):
+                self.history.observe(f"agent:{agent_id}", "action",
+                                     {"step": entry.step, "behaviour": entry.behaviour},
+                                     time_ns=entry.at_ns)
+
+    async def copy_sandboxes_and_sessions(self) -> None:
+        """Daemon exits, sandboxes gone and sessions started, at the control plane's times."""
+        for agent_id in self.agents:
+            for s in await self.sandboxes(agent_id):
+                ended = _ns(s.get("ended_at"))
+                if s["state"] == "gone" and ended is not None:
+                    self.history.observe(f"agent:{agent_id}", "daemon_exit",
+                                         {"exit_code": s["exit_code"], "sandbox_id": s["id"]},
+                                         time_ns=ended)
+                    self.history.observe(f"agent:{agent_id}", "sandbox_gone",
+                                         {"sandbox_id": s["id"]}, time_ns=ended)
+            sessions = json_of(await self.people["auditor"].sessions(agent_id))
+            for s in sessions:
+                started = _ns(s["started_at"])
+                if started is not None:
+                    self.history.observe(OBSERVER, "session_start",
+                                         {"agent_id": agent_id, "session_id": s["id"],
+                                          "outcome": "started"}, time_ns=started)
+
+    async def final_state(self) -> FinalState:
+        tasks: dict[str, FinalTask] = {}
+        agents: dict[str, FinalAgent] = {}
+        for agent_id in self.agents:
+            got = json_of(await self.people["auditor"].agent(agent_id))
+            agents[agent_id] = {"killed": got["killed"], "kill_origin": got["kill_origin"]}
+            for t in json_of(await self.people["auditor"].backlog(agent_id)):
+                detail = json_of(await self.people["auditor"].task(agent_id, t["id"]))
+                done = sum(1 for tr in detail["transitions"] if tr["to_state"] == "done")
+                tasks[t["id"]] = {"state": t["state"], "agent_id": agent_id,
+                                  "done_count": done}
+        return FinalState(tasks=tasks, agents=agents)
+
+    # ------------------------------------------------------------------ the journal
+
+    def journal(self, status: str, verdicts: list[Verdict], samples: list[TimeToStop],
+                faults: list[dict[str, Any]], steady_after: dict[str, Any]) -> Path:
+        self.report_dir.mkdir(parents=True, exist_ok=True)
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+        path = self.report_dir / f"{self.name}-{stamp}.json"
+        summary = {part: asdict(p) for part, p in summarize(samples).items()} if samples else {}
+        history_path = path.with_suffix(".history.jsonl")
+        self.history.to_jsonl(history_path)
+        document = {
+            "game_day": self.name,
+            "status": status,
+            "started_at": self.started_at,
+            "ended_at": datetime.now(UTC).isoformat(),
+            "stack": self.stack,
+            "seed": self.seed,
+            "versions": {**self.endpoints.versions, "platform": platform.platform()},
+            "agents": [{"id": a["id"], "slug": a["slug"], "behaviour": a["behaviour"]}
+                       for a in self.agents.values()],
+            "steady_state": {"before": self.steady_state, "after": steady_after},
+            "faults": faults,
+            "measurements": {"time_to_stop": {"summary_us": summary,
+                                              "samples_ns": [asdict(s) for s in samples]}},
+            "verdicts": [asdict(v) for v in verdicts],
+            "notes": self.notes,
+            "history": history_path.name,
+        }
+        path.write_text(json.dumps(document, indent=2, default=str))
+        return path
+
+    async def judge(self) -> tuple[list[Verdict], list[TimeToStop], FinalState]:
+        self.copy_ledger()
+        await self.copy_sandboxes_and_sessions()
+        final = await self.final_state()
+        return check_all(self.history, final), time_to_stop(self.history, final), final
+
+    async def close(self) -> None:
+        for client in self.people.values():
+            await client.aclose()

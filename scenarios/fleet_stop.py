@@ -1,0 +1,153 @@
+"""The first game day, run before every release: pull the fleet switch on working agents.
+
+    pytest scenarios/fleet_stop.py [--stack processes|target] [--agents 5] [--seed N]
+
+Security pulls the emergency stop while N agents of mixed behaviours work real tasks. The
+scenario records everything in the game day's history; the checkers judge it afterwards and
+the journal (reports/) keeps the verdicts, time-to-stop per agent and the steady states.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+from harness.client import json_of
+from harness.gameday import GameDay
+from harness.waiting import eventually
+
+# A mix that keeps working until stopped: a multi-step writer, an agent that never stops on
+# its own, and a well-behaved one whose tasks finish (so work is seen moving).
+BEHAVIOURS = ("slow_writer", "silent", "well_behaved")
+STOPPED = {"error": "Agent or fleet is stopped", "hint": "resume it first."}
+
+
+async def test_fleet_stop(gameday: GameDay, agents_per_game_day: int) -> None:
+    day = gameday
+    security, admin = day.people["security"], day.people["org_admin"]
+    status, verdicts, samples, after = "aborted", [], [], {}
+    try:
+        # Steady state: every agent working, tasks moving.
+        agents = [await day.agent(BEHAVIOURS[i % len(BEHAVIOURS)])
+                  for i in range(agents_per_game_day)]
+        for a in agents:
+            for _ in range(2 if a["behaviour"] == "well_behaved" else 1):
+                await day.task(a["id"])
+        heartbeat = agents[0]
+        json_of(await admin.add_heartbeat(heartbeat["id"], "hourly", "heartbeat", 3600), 201)
+
+        async def steady() -> dict[str, Any] | None:
+            tasks = await day.read_tasks()
+            working = sum(1 for t in tasks.values() if t["state"] == "in_progress")
+            done = sum(1 for t in tasks.values() if t["state"] == "done")
+            busy = [a for a in agents if a["behaviour"] != "well_behaved"]
+            held = {t["agent_id"] for t in tasks.values() if t["state"] == "in_progress"}
+            if all(a["id"] in held for a in busy) and (done or not any(
+                    a["behaviour"] == "well_behaved" for a in agents)):
+                return {"tasks_in_progress": working, "tasks_done": done,
+                        "agents": len(agents)}
+            return None
+        day.steady_state = await eventually(steady, 120, "no steady state: agents not working")
+
+        # The emergency stop.
+        in_progress = {tid for tid, t in (await day.read_tasks()).items()
+                       if t["state"] == "in_progress"}
+        r = await day.operate("security", "kill_fleet", {},
+                              lambda: security.kill_fleet())
+        report = json_of(r)
+        assert set(report["agents_stopped"]) == {a["id"] for a in agents}
+        assert report["tasks_requeued"], "the fleet stop requeued nothing"
+
+        # Every agent stopped: its sandbox gone, its daemon obeyed (exit code 3).
+        async def all_gone() -> bool:
+            for a in agents:
+                boxes = await day.sandboxes(a["id"])
+                if any(s["state"] in ("starting", "running") for s in boxes):
+                    return False
+            return True
+        await eventually(all_gone, 60, "a sandbox kept running after the fleet stop")
+        cancelled = set(report["sessions_cancelled"])
+        assert cancelled, "the fleet stop found no session to stop"
+        killed_boxes = {s["sandbox_id"] for a in agents
+                        for s in json_of(await day.people["auditor"].sessions(a["id"]))
+                        if s["id"] in cancelled}
+        exits = {s["id"]: s["exit_code"] for a in agents for s in await day.sandboxes(a["id"])
+                 if s["id"] in killed_boxes}
+        assert exits == dict.fromkeys(killed_boxes, 3), f"daemons that did not obey: {exits}"
+        # The work under way is back in the backlog: nothing is in progress, whatever the kill
+        # requeued is open, and what was in progress just before is open (or finished in the
+        # moment between that read and the kill).
+        tasks = await day.read_tasks()
+        assert not [t for t in tasks.values() if t["state"] == "in_progress"]
+        assert all(tasks[t]["state"] == "open" for t in report["tasks_requeued"])
+        assert all(tasks[t]["state"] in ("open", "done") for t in in_progress)
+
+        # While the stop stands, nothing starts: a new task stays open, the manual heartbeat
+        # and the trigger bounce with 409 and the hint.
+        fresh = await day.task(agents[-1]["id"], "arrived during the stop")
+        await asyncio.sleep(2)  # the one window in which nothing may happen
+        assert json_of(await admin.task(agents[-1]["id"], fresh["id"]))["state"] == "open"
+        r = await admin.fire_heartbeat(heartbeat["id"], "hourly")
+        assert (r.status_code, r.json()) == (409, STOPPED)
+        r = await admin.trigger(heartbeat["trigger_token"])
+        assert (r.status_code, r.json()) == (409, STOPPED)
+        for role in ("org_admin", "controlling"):
+            notes = json_of(await day.people[role].notifications())
+            assert any(n["kind"] == "fleet_killed" for n in notes), role
+        for role in ("agent_owner", "auditor", "controlling"):
+            r = await day.operate(role, "kill_fleet", {}, day.people[role].kill_fleet)
+            assert r.status_code == 403, role
+            r = await day.operate(role, "resume_fleet", {}, day.people[role].resume_fleet)
+            assert r.status_code == 403, role
+
+        # Releasing one agent does not wake it: the fleet stop still holds it.
+        released = agents[0]
+        r = await day.operate("org_admin", "resume_agent", {"agent_id": released["id"]},
+                              lambda: admin.resume_agent(released["id"]))
+        assert json_of(r)["held_by_fleet"] is True and json_of(r)["agents_woken"] == []
+        await asyncio.sleep(1)  # nothing may start in this window either
+        sessions = json_of(await day.people["auditor"].sessions(released["id"]))
+        assert not [s for s in sessions if s["state"] in ("starting", "running")]
+
+        # The incident is over: the agents behave again, and the fleet resumes. Every agent
+        # with open work is woken at once, and every task completes exactly once.
+        for a in agents:
+            day.endpoints.puppet.assign(a["id"], "well_behaved")
+        with_work = {t["agent_id"] for t in (await day.read_tasks()).values()
+                     if t["state"] == "open"}
+        r = await day.operate("security", "resume_fleet", {}, security.resume_fleet)
+        assert set(json_of(r)["agents_woken"]) == with_work
+
+        async def all_done() -> bool:
+            tasks = await day.read_tasks()
+            return all(t["state"] == "done" for t in tasks.values())
+        await eventually(all_done, 120, "tasks left undone after the resume")
+        after = {"tasks_done": len(await day.read_tasks()), "agents": len(agents)}
+
+        verdicts, samples, final = await day.judge()
+        failed = [v for v in verdicts if v.valid is False]
+        assert not failed, "\n".join(f"{v.checker}: {v.message} (events {v.evidence})"
+                                     for v in failed)
+        assert all(f["done_count"] == 1 for f in final.tasks.values())
+        # A time-to-stop for every agent; the daemons that were running exited 3 within it.
+        fleet = [s for s in samples if s.kill_f == "kill_fleet"]
+        assert {s.agent_id for s in fleet} == {a["id"] for a in agents}
+        assert all(s.kill_acknowledged_ns is not None for s in fleet)
+        stopped_agents = {a["id"] for a in agents
+                          for s in json_of(await day.people["auditor"].sessions(a["id"]))
+                          if s["id"] in cancelled}
+        assert all(s.daemon_exit_ns is not None and s.sandbox_gone_ns is not None
+                   for s in fleet if s.agent_id in stopped_agents)
+        status = "completed"
+    except AssertionError:
+        status = "failed"
+        raise
+    finally:
+        if not verdicts:
+            try:
+                verdicts, samples, _ = await day.judge()
+            except Exception as exc:  # the journal still says what happened
+                day.notes.append(f"judging failed: {exc!r}")
+        path = day.journal(status, verdicts, samples, [], after)
+        print(f"journal: {path} ({status}); run id {uuid.uuid4().hex[:8]}")
