@@ -47,6 +47,10 @@ class SandboxProvider(Protocol):
         """Remove the sandbox now, whatever its daemon is doing."""
         ...
 
+    async def close(self) -> None:
+        """The control plane is going away: no sandbox of this provider outlives it."""
+        ...
+
 
 # What a local process needs to run at all; the rest of the control plane's environment
 # (database URL, tokens) stays out of the sandbox.
@@ -99,6 +103,10 @@ class ProcessProvider:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
 
+    async def close(self) -> None:
+        for handle in list(self._procs):
+            await self.destroy(handle)
+
 
 def _resolve(future: asyncio.Future[int], code: int) -> None:
     if not future.done():
@@ -126,6 +134,7 @@ class DockerProvider:
         self._log_dir = log_dir
         self._sandbox_of: dict[str, UUID] = {}
         self._dying: dict[str, asyncio.Future[int]] = {}
+        self._closed = False
         self._events_thread: threading.Thread | None = None
 
     async def start(self, spec: SandboxSpec) -> str:
@@ -134,6 +143,8 @@ class DockerProvider:
                   "covey.agent": str(spec.agent_id), "covey.session": str(spec.session_id)}
 
         def run() -> str:
+            if self._closed:
+                raise RuntimeError("the control plane is shutting down")
             container = self._client.containers.run(
                 self._image, self._command, detach=True, labels=labels,
                 environment={**spec.env, "HOME": self.HOME},
@@ -141,6 +152,9 @@ class DockerProvider:
                 working_dir=self.HOME, network_mode=self._network,
                 mem_limit=self._memory, pids_limit=self._pids,
                 name=f"covey-sandbox-{spec.sandbox_id}")
+            if self._closed:  # closed while the engine was starting it
+                container.remove(force=True)
+                raise RuntimeError("the control plane is shutting down")
             return str(container.id)
 
         handle = await asyncio.to_thread(run)
@@ -203,6 +217,22 @@ class DockerProvider:
         self._events_thread = threading.Thread(target=follow, name="docker-events",
                                                daemon=True)
         self._events_thread.start()
+
+    async def close(self) -> None:
+        """Remove every sandbox container this replica started (its `covey.node` label),
+        including one whose start was still in flight."""
+        self._closed = True
+
+        def sweep() -> None:
+            import docker.errors
+
+            node = self._labels.get("covey.node", "")
+            for container in self._client.containers.list(
+                    all=True, filters={"label": f"covey.node={node}"}):
+                with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+                    container.remove(force=True)
+
+        await asyncio.to_thread(sweep)
 
     async def destroy(self, handle: str) -> None:
         def kill() -> None:
@@ -410,6 +440,7 @@ class Runner:
     async def close(self) -> None:
         for handle in list(self._handles.values()):
             await self._provider.destroy(handle)
+        await self._provider.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

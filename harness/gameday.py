@@ -76,7 +76,7 @@ class GameDay:
         name = f"{self.fake.job()} bot"[:200]
         agent: dict[str, Any] = json_of(await self.people["org_admin"].create_agent(
             slug, name, warm_sandbox=warm, guard={"max_tokens": 10_000_000}), 201)
-        self.endpoints.puppet.assign(agent["id"], behaviour)
+        await self.endpoints.puppet.assign(agent["id"], behaviour)
         agent["behaviour"] = behaviour
         self.agents[agent["id"]] = agent
         return agent
@@ -121,11 +121,11 @@ class GameDay:
         rows: list[dict[str, Any]] = json_of(await self.people["auditor"].sandboxes(agent_id))
         return rows
 
-    def copy_ledger(self) -> None:
+    async def copy_ledger(self) -> None:
         """The puppet model's ledger into the history: each request an agent made is an
         action, at the time the model saw it."""
         for agent_id in self.agents:
-            for entry in self.endpoints.puppet.actions(agent_id):
+            for entry in await self.endpoints.puppet.actions(agent_id):
                 self.history.observe(f"agent:{agent_id}", "action",
                                      {"step": entry.step, "behaviour": entry.behaviour},
                                      time_ns=entry.at_ns)
@@ -194,7 +194,7 @@ class GameDay:
         return path
 
     async def judge(self) -> tuple[list[Verdict], list[TimeToStop], FinalState]:
-        self.copy_ledger()
+        await self.copy_ledger()
         await self.copy_sandboxes_and_sessions()
         final = await self.final_state()
         return check_all(self.history, final), time_to_stop(self.history, final), final

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from harness.gameday import GameDay
-from harness.stack import ProcessesStack, Stack, TargetStack
+from harness.stack import ContainersStack, ProcessesStack, Stack, TargetStack
 
 STACKS = ("containers", "processes", "target")
 
@@ -21,8 +21,8 @@ STACKS = ("containers", "processes", "target")
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("covey game day")
     group.addoption("--stack", choices=STACKS, default=None,
-                    help="where the system under test runs (default: processes; the "
-                         "containers stack is not built yet)")
+                    help="where the system under test runs (default: containers where a "
+                         "Docker engine answers and has the stack's image, else processes)")
     group.addoption("--target-url", default=os.environ.get("COVEY_TARGET_URL"),
                     help="with --stack target: the deployment's base URL")
     group.addoption("--target-email", default=os.environ.get("COVEY_TARGET_EMAIL"),
@@ -38,14 +38,44 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="seed of the generated people and agents (default: random, printed)")
 
 
-def _stack_name(config: pytest.Config) -> str:
-    chosen: str | None = config.getoption("--stack")
-    return chosen or "processes"
+def _image() -> str:
+    return os.environ.get("COVEY_SANDBOX_IMAGE", "covey-gameday:latest")
+
+
+def _docker_ready() -> str | None:
+    """None when a Docker engine answers and has the stack's image, else why not."""
+    try:
+        import docker
+
+        client = docker.from_env()
+        try:
+            client.ping()
+            client.images.get(_image())
+        finally:
+            client.close()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc)[:120]}"
+    return None
+
+
+def _stack_name(config: pytest.Config) -> tuple[str, str]:
+    """The stack and why it was taken, decided once per run."""
+    cached: tuple[str, str] | None = getattr(config, "_covey_stack", None)
+    if cached is None:
+        chosen: str | None = config.getoption("--stack")
+        if chosen:
+            cached = (chosen, "chosen")
+        else:
+            missing = _docker_ready()
+            cached = (("containers", "default: a Docker engine answers") if missing is None
+                      else ("processes", f"default: no Docker engine with {_image()} "
+                                         f"({missing})"))
+        config._covey_stack = cached  # type: ignore[attr-defined]
+    return cached
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    name = _stack_name(config)
-    why = "chosen" if config.getoption("--stack") else "default"
+    name, why = _stack_name(config)
     return [f"covey game day: stack={name} ({why}), agents={config.getoption('--agents')}, "
             f"seed={_seed(config)}, reports in {config.getoption('--report-dir')}/"]
 
@@ -62,7 +92,7 @@ def _seed(config: pytest.Config) -> int:
 
 
 def make_stack(config: pytest.Config) -> Stack:
-    name = _stack_name(config)
+    name, _ = _stack_name(config)
     report_dir = Path(config.getoption("--report-dir"))
     if name == "processes":
         return ProcessesStack(report_dir)
@@ -74,7 +104,7 @@ def make_stack(config: pytest.Config) -> Stack:
             raise pytest.UsageError("--stack target needs --target-url, --target-email and "
                                     "--target-password (or COVEY_TARGET_* variables)")
         return TargetStack(url, email, password, config.getoption("--puppet-port"))
-    raise pytest.UsageError("the containers stack is not built yet; use --stack processes")
+    return ContainersStack(report_dir, image=_image())
 
 
 @pytest.fixture

@@ -17,8 +17,9 @@ import uuid
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
@@ -188,3 +189,60 @@ def create_app(puppet: Puppet) -> FastAPI:
         return JSONResponse({"error": "always failing"}, status_code=500)
 
     return app
+
+
+class PuppetControl(Protocol):
+    """How a game day steers the puppet and reads its ledger, wherever the puppet runs."""
+
+    async def assign(self, agent_id: str, behaviour: str) -> None: ...
+
+    async def actions(self, agent_id: str) -> list[LedgerEntry]: ...
+
+
+@dataclass
+class LocalPuppet:
+    """A puppet served from this process (processes and target stacks)."""
+
+    puppet: Puppet
+
+    async def assign(self, agent_id: str, behaviour: str) -> None:
+        self.puppet.assign(agent_id, behaviour)
+
+    async def actions(self, agent_id: str) -> list[LedgerEntry]:
+        return self.puppet.actions(agent_id)
+
+
+@dataclass
+class RemotePuppet:
+    """A puppet in a container of the game day, steered over its HTTP API."""
+
+    url: str  # the puppet's base URL as this process reaches it (no /v1)
+
+    async def assign(self, agent_id: str, behaviour: str) -> None:
+        async with httpx.AsyncClient(timeout=10) as http:
+            r = await http.post(f"{self.url}/puppet/agents/{agent_id}",
+                                json={"behaviour": behaviour})
+            r.raise_for_status()
+
+    async def actions(self, agent_id: str) -> list[LedgerEntry]:
+        async with httpx.AsyncClient(timeout=30) as http:
+            r = await http.get(f"{self.url}/puppet/ledger", params={"agent": agent_id})
+            r.raise_for_status()
+            return [LedgerEntry(**row) for row in r.json()]
+
+
+def main() -> None:
+    """`python -m harness.puppet --port 9000`: the puppet as a service (containers stack)."""
+    import argparse
+
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description="the game day's puppet model")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9000)
+    args = parser.parse_args()
+    uvicorn.run(create_app(Puppet()), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

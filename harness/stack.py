@@ -1,6 +1,7 @@
 """The stack: brings the system under test up and down, the same interface for every backend
 (DESIGN §3). `processes` runs the real parts as local processes on an embedded Postgres;
-`target` starts nothing and points at an existing deployment. (`containers` is not built yet.)
+`target` starts nothing and points at an existing deployment; `containers` runs each part
+in a container of the stack's image.
 
 A stack hands the game day its `Endpoints`: where the control plane answers, credentials of
 an org admin, and the puppet model the agents talk to.
@@ -22,12 +23,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx
 import uvicorn
 
-from harness.puppet import Puppet, create_app
+from harness.puppet import LocalPuppet, Puppet, PuppetControl, RemotePuppet, create_app
 
 ADMIN_PASSWORD = "game-day-admin-password"
 
@@ -37,8 +38,8 @@ class Endpoints:
     url: str
     admin_email: str
     admin_password: str
-    puppet: Puppet
-    puppet_url: str
+    puppet: PuppetControl
+    puppet_url: str  # the /v1 base URL the system under test's sandboxes use
     versions: dict[str, str]
 
 
@@ -55,7 +56,7 @@ def free_port() -> int:
 
 
 async def wait_until_healthy(url: str, deadline_s: float, process: asyncio.subprocess.Process
-                             | None = None) -> dict[str, str]:
+                             | None = None, path: str = "/healthz") -> dict[str, str]:
     """Poll /healthz until it answers ok, the process dies, or the deadline passes."""
     deadline = time.monotonic() + deadline_s
     last = "no answer yet"
@@ -65,15 +66,15 @@ async def wait_until_healthy(url: str, deadline_s: float, process: asyncio.subpr
                 raise RuntimeError(f"the control plane exited with {process.returncode} "
                                    "during start-up; its log is in the report directory")
             try:
-                r = await http.get(f"{url}/healthz")
+                r = await http.get(f"{url}{path}")
                 if r.status_code == 200:
-                    body: dict[str, str] = r.json()
-                    return body
+                    body = r.json()
+                    return body if isinstance(body, dict) else {}
                 last = f"{r.status_code} {r.text[:200]}"
             except httpx.HTTPError as exc:
                 last = repr(exc)
             await asyncio.sleep(0.1)
-    raise TimeoutError(f"{url}/healthz not healthy after {deadline_s}s: {last}")
+    raise TimeoutError(f"{url}{path} not healthy after {deadline_s}s: {last}")
 
 
 @asynccontextmanager
@@ -141,7 +142,7 @@ class ProcessesStack:
                         stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
                 url = f"http://127.0.0.1:{port}"
                 health = await wait_until_healthy(url, 60, plane)
-                yield Endpoints(url, admin, ADMIN_PASSWORD, puppet, puppet_url,
+                yield Endpoints(url, admin, ADMIN_PASSWORD, LocalPuppet(puppet), puppet_url,
                                 {"covey": health.get("version", "?"),
                                  "python": sys.version.split()[0]})
         finally:
@@ -176,6 +177,183 @@ class TargetStack:
         health = await wait_until_healthy(self.url.rstrip("/"), 30)
         puppet = Puppet()
         async with serve_puppet(puppet, self.puppet_port) as puppet_url:
-            yield Endpoints(self.url.rstrip("/"), self.admin_email, self.admin_password, puppet,
-                            puppet_url, {"covey": health.get("version", "?"),
+            yield Endpoints(self.url.rstrip("/"), self.admin_email, self.admin_password,
+                            LocalPuppet(puppet), puppet_url, {"covey": health.get("version", "?"),
                                          "python": sys.version.split()[0]})
+
+
+# Postgres from the stack's own image: initdb, trust the game day's network (it is the game
+# day's alone), fsync off (a game day's database is thrown away).
+POSTGRES_SCRIPT = (
+    "set -e; install -d -o postgres /var/lib/covey-pg; "
+    "su postgres -s /bin/sh -c '"
+    "PG=$(ls -d /usr/lib/postgresql/*/bin | tail -1); "
+    "$PG/initdb -D /var/lib/covey-pg/data --auth=trust -U postgres >/dev/null; "
+    "echo \"host all all 0.0.0.0/0 trust\" >> /var/lib/covey-pg/data/pg_hba.conf; "
+    "exec $PG/postgres -D /var/lib/covey-pg/data -c listen_addresses=* -c fsync=off "
+    "-c max_connections=300'"
+)
+HARNESS_LABEL = "covey.harness"
+
+
+def reap_stale_game_days() -> list[str]:
+    """Remove what game days of dead harness processes left behind (a crash, a SIGKILL):
+    their containers, the sandboxes their control planes started, and their networks."""
+    import docker
+
+    client = docker.from_env()
+    reaped = []
+    try:
+        for container in client.containers.list(all=True, filters={"label": HARNESS_LABEL}):
+            owner = int(container.labels.get("covey.owner_pid", "0") or 0)
+            if owner and _alive(owner):
+                continue
+            gameday = container.labels.get("covey.gameday", "")
+            for c in client.containers.list(all=True,
+                                            filters={"label": f"covey.gameday={gameday}"}):
+                c.remove(force=True)
+            reaped.append(gameday)
+        for network in client.networks.list(filters={"label": HARNESS_LABEL}):
+            owner = int(network.attrs.get("Labels", {}).get("covey.owner_pid", "0") or 0)
+            if not (owner and _alive(owner)):
+                with contextlib.suppress(docker.errors.APIError):
+                    network.remove()
+    finally:
+        client.close()
+    return sorted(set(reaped))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class ContainersStack:
+    """Every part in a container of the stack's image, on one Docker network per game day:
+    Postgres, the control plane (given the Docker API, so that it starts one sandbox
+    container per session on the same network) and the puppet model. Everything carries the
+    game day's labels and is removed afterwards; a crashed harness's leftovers are reaped by
+    the next one."""
+
+    report_dir: Path
+    image: str = "covey-gameday:latest"
+    tick_ms: int = 300
+    lease_ms: int = 2000
+    name: str = "containers"
+
+    @asynccontextmanager
+    async def up(self) -> AsyncIterator[Endpoints]:
+        # No registry here, so no reaper image: every container and the network carry the
+        # game day's labels and are removed by label (and by the next run after a crash).
+        os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
+        from testcontainers.core.container import DockerContainer
+        from testcontainers.core.network import Network
+        from testcontainers.core.waiting_utils import wait_for_logs
+
+        await asyncio.to_thread(reap_stale_game_days)
+        gameday = uuid.uuid4().hex[:10]
+        labels = {HARNESS_LABEL: "1", "covey.gameday": gameday,
+                  "covey.owner_pid": str(os.getpid())}
+        # Sandbox homes are bind-mounted by the Docker engine from paths the control plane
+        # names: the folder has the same path on the host and inside the control plane.
+        workdir = Path(tempfile.mkdtemp(prefix=f"covey-gd-{gameday}-"))
+        self.report_dir.mkdir(parents=True, exist_ok=True)
+        network = Network(docker_network_kw={"labels": labels})
+        containers: list[DockerContainer] = []
+
+        def start(container: DockerContainer, publish: tuple[int, int] | None = None
+                  ) -> DockerContainer:
+            if publish is not None:
+                # On 127.0.0.1 only (RUNBOOK): with_bind_ports() cannot name the address,
+                # the Docker API can.
+                container.ports[str(publish[0])] = ("127.0.0.1", publish[1])  # type: ignore[assignment]
+            containers.append(container)
+            container.start()
+            return container
+
+        try:
+            await asyncio.to_thread(network.create)
+            postgres = await asyncio.to_thread(start, DockerContainer(self.image)
+                                               .with_network(network)
+                                               .with_network_aliases("postgres")
+                                               .with_kwargs(labels=labels)
+                                               .with_command(["sh", "-c", POSTGRES_SCRIPT]))
+            await asyncio.to_thread(wait_for_logs, postgres,
+                                    "database system is ready to accept connections", 60)
+            puppet_port, plane_port = free_port(), free_port()
+            await asyncio.to_thread(start, DockerContainer(self.image)
+                                             .with_network(network)
+                                             .with_network_aliases("puppet")
+                                             .with_kwargs(labels=labels)
+                                             .with_command(["python", "-m", "harness.puppet",
+                                                            "--host", "0.0.0.0",
+                                                            "--port", "9000"]),
+                                    (9000, puppet_port))
+            admin = f"admin-{gameday}@gameday.test"
+            env = {
+                "DATABASE_URL": "postgresql://postgres@postgres:5432/postgres",
+                "COVEY_DATA_DIR": str(workdir / "data"),
+                "COVEY_TICK_MS": str(self.tick_ms), "COVEY_LEASE_MS": str(self.lease_ms),
+                "COVEY_SANDBOX_BACKEND": "docker", "COVEY_SANDBOX_IMAGE": self.image,
+                "COVEY_DOCKER_NETWORK": str(network.name), "COVEY_GAMEDAY": gameday,
+                "COVEY_PUBLIC_WS_URL": "ws://controlplane:8080/api/daemon/ws",
+                "COVEY_MODEL_URL": "http://puppet:9000/v1",
+            }
+            serve = (f"covey bootstrap --org gameday --admin-email {admin} "
+                     f"--admin-password {ADMIN_PASSWORD} && "
+                     "exec covey serve --host 0.0.0.0 --port 8080")
+            plane = await asyncio.to_thread(start, DockerContainer(self.image)
+                                            .with_network(network)
+                                            .with_network_aliases("controlplane")
+                                            .with_envs(**env)
+                                            .with_volume_mapping("/var/run/docker.sock",
+                                                                 "/var/run/docker.sock", "rw")
+                                            .with_volume_mapping(str(workdir), str(workdir),
+                                                                 "rw")
+                                            .with_kwargs(labels=labels)
+                                            .with_command(["sh", "-c", serve]),
+                                            (8080, plane_port))
+            url = f"http://127.0.0.1:{plane_port}"
+            try:
+                health = await wait_until_healthy(url, 90)
+            except TimeoutError:
+                logs = await asyncio.to_thread(plane.get_logs)
+                raise RuntimeError("the control plane container never became healthy: "
+                                   + b"".join(logs).decode(errors="replace")[-3000:]) from None
+            await wait_until_healthy(f"http://127.0.0.1:{puppet_port}/puppet", 30,
+                                     path="/ledger")
+            yield Endpoints(url, admin, ADMIN_PASSWORD,
+                            RemotePuppet(f"http://127.0.0.1:{puppet_port}"),
+                            "http://puppet:9000/v1",
+                            {"covey": health.get("version", "?"), "image": self.image,
+                             "python": sys.version.split()[0]})
+        finally:
+            await asyncio.to_thread(self._tear_down, containers, network, gameday, workdir)
+
+    def _tear_down(self, containers: list[Any], network: Any, gameday: str,
+                   workdir: Path) -> None:
+        import docker
+
+        for container in reversed(containers):  # the control plane first: it stops sandboxes
+            with contextlib.suppress(Exception):
+                logs = b"".join(container.get_logs()).decode(errors="replace")
+                name = container.get_wrapped_container().name
+                (self.report_dir / f"{gameday}-{name}.log").write_text(logs)
+            with contextlib.suppress(Exception):
+                container.stop()
+        client = docker.from_env()
+        try:
+            for c in client.containers.list(all=True,
+                                            filters={"label": f"covey.gameday={gameday}"}):
+                c.remove(force=True)
+        finally:
+            client.close()
+        with contextlib.suppress(Exception):
+            network.remove()
+        shutil.rmtree(workdir, ignore_errors=True)

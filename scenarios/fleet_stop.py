@@ -113,7 +113,7 @@ async def test_fleet_stop(gameday: GameDay, agents_per_game_day: int) -> None:
         # The incident is over: the agents behave again, and the fleet resumes. Every agent
         # with open work is woken at once, and every task completes exactly once.
         for a in agents:
-            day.endpoints.puppet.assign(a["id"], "well_behaved")
+            await day.endpoints.puppet.assign(a["id"], "well_behaved")
         with_work = {t["agent_id"] for t in (await day.read_tasks()).values()
                      if t["state"] == "open"}
         r = await day.operate("security", "resume_fleet", {}, security.resume_fleet)

@@ -1,0 +1,102 @@
+"""The containers stack cleans up after itself: on a normal end, on Ctrl-C, and (through the
+next run's reaping) after the harness was killed outright."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.stack import reap_stale_game_days
+
+pytestmark = pytest.mark.docker
+IMAGE = os.environ.get("COVEY_SANDBOX_IMAGE", "covey-gameday:latest")
+REPO = Path(__file__).resolve().parents[2]
+
+UP_AND_WAIT = textwrap.dedent("""
+    import asyncio, sys
+    from pathlib import Path
+    from harness.stack import ContainersStack
+
+    async def main() -> None:
+        async with ContainersStack(Path(sys.argv[1])).up() as endpoints:
+            print("UP", endpoints.url, flush=True)
+            await asyncio.sleep(600)
+
+    asyncio.run(main())
+""")
+
+
+@pytest.fixture(scope="module")
+def docker_client() -> Iterator[Any]:
+    try:
+        import docker
+
+        client = docker.from_env()
+        client.ping()
+        client.images.get(IMAGE)
+    except Exception as exc:
+        if os.environ.get("COVEY_REQUIRE_DOCKER") == "1":
+            raise
+        pytest.skip(f"no Docker engine or no {IMAGE} image (scripts/build-image): {exc}")
+    yield client
+    client.close()
+
+
+def _bring_up(tmp_path: Path) -> subprocess.Popen[str]:
+    child = subprocess.Popen([sys.executable, "-c", UP_AND_WAIT, str(tmp_path)], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert child.stdout is not None
+    deadline = time.monotonic() + 180
+    lines = []
+    while time.monotonic() < deadline:
+        line = child.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("UP "):
+            return child
+    child.kill()
+    raise AssertionError("the containers stack never came up:\n" + "".join(lines[-40:]))
+
+
+def _owned_by(client: Any, pid: int) -> tuple[list[Any], list[Any]]:
+    label = f"covey.owner_pid={pid}"
+    return (client.containers.list(all=True, filters={"label": label}),
+            client.networks.list(filters={"label": label}))
+
+
+def _of_game_day(client: Any, gameday: str) -> list[Any]:
+    return list(client.containers.list(all=True, filters={"label": f"covey.gameday={gameday}"}))
+
+
+def test_an_interrupted_run_leaves_nothing_behind(docker_client: Any, tmp_path: Path) -> None:
+    child = _bring_up(tmp_path)
+    containers, networks = _owned_by(docker_client, child.pid)
+    assert len(containers) == 3 and len(networks) == 1  # postgres, puppet, control plane
+    gameday = containers[0].labels["covey.gameday"]
+    child.send_signal(signal.SIGINT)  # Ctrl-C
+    assert child.wait(timeout=120) != 0
+    assert _of_game_day(docker_client, gameday) == []
+    assert _owned_by(docker_client, child.pid) == ([], [])
+
+
+def test_a_killed_harness_is_reaped_by_the_next_run(docker_client: Any, tmp_path: Path
+                                                    ) -> None:
+    child = _bring_up(tmp_path)
+    containers, _ = _owned_by(docker_client, child.pid)
+    gameday = containers[0].labels["covey.gameday"]
+    child.kill()  # no finally, no cleanup: as after a crash or SIGKILL
+    child.wait(timeout=30)
+    assert _of_game_day(docker_client, gameday), "nothing was left to reap"
+    assert gameday in reap_stale_game_days()
+    assert _of_game_day(docker_client, gameday) == []
+    assert _owned_by(docker_client, child.pid) == ([], [])
