@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
@@ -110,3 +111,22 @@ async def puppet_model() -> AsyncIterator[tuple[str, Puppet]]:
 async def model() -> AsyncIterator[tuple[str, Puppet]]:
     async with puppet_model() as m:
         yield m
+
+
+@pytest.fixture(scope="session")
+def docker_client() -> Iterator[Any]:
+    """The Docker engine with the stack's image, or a skip; CI sets COVEY_REQUIRE_DOCKER=1 to
+    make their absence a failure instead."""
+    image = os.environ.get("COVEY_SANDBOX_IMAGE", "covey-gameday:latest")
+    try:
+        import docker
+
+        client = docker.from_env()
+        client.ping()
+        client.images.get(image)
+    except Exception as exc:
+        if os.environ.get("COVEY_REQUIRE_DOCKER") == "1":
+            raise
+        pytest.skip(f"no Docker engine or no {image} image (scripts/build-image): {exc}")
+    yield client
+    client.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,23 +18,6 @@ from tests.support.tcp_proxy import CuttableProxy
 
 pytestmark = pytest.mark.docker
 IMAGE = os.environ.get("COVEY_SANDBOX_IMAGE", "covey-gameday:latest")
-
-
-@pytest.fixture(scope="module")
-def docker_client() -> Iterator[Any]:
-    """The engine and the image, or a skip; CI sets COVEY_REQUIRE_DOCKER=1 to fail instead."""
-    try:
-        import docker
-
-        client = docker.from_env()
-        client.ping()
-        client.images.get(IMAGE)
-    except Exception as exc:
-        if os.environ.get("COVEY_REQUIRE_DOCKER") == "1":
-            raise
-        pytest.skip(f"no Docker engine or no {IMAGE} image (scripts/build-image): {exc}")
-    yield client
-    client.close()
 
 
 @pytest.fixture

@@ -3,13 +3,11 @@ next run's reaping) after the harness was killed outright."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,6 @@ import pytest
 from harness.stack import reap_stale_game_days
 
 pytestmark = pytest.mark.docker
-IMAGE = os.environ.get("COVEY_SANDBOX_IMAGE", "covey-gameday:latest")
 REPO = Path(__file__).resolve().parents[2]
 
 UP_AND_WAIT = textwrap.dedent("""
@@ -33,22 +30,6 @@ UP_AND_WAIT = textwrap.dedent("""
 
     asyncio.run(main())
 """)
-
-
-@pytest.fixture(scope="module")
-def docker_client() -> Iterator[Any]:
-    try:
-        import docker
-
-        client = docker.from_env()
-        client.ping()
-        client.images.get(IMAGE)
-    except Exception as exc:
-        if os.environ.get("COVEY_REQUIRE_DOCKER") == "1":
-            raise
-        pytest.skip(f"no Docker engine or no {IMAGE} image (scripts/build-image): {exc}")
-    yield client
-    client.close()
 
 
 def _bring_up(tmp_path: Path) -> subprocess.Popen[str]:
