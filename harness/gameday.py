@@ -163,7 +163,7 @@ class GameDay:
     # ------------------------------------------------------------------ the journal
 
     def journal(self, status: str, verdicts: list[Verdict], samples: list[TimeToStop],
-                faults: list[dict[str, Any]], steady_after: dict[str, Any]) -> Path:
+                steady_after: dict[str, Any]) -> Path:
         self.report_dir.mkdir(parents=True, exist_ok=True)
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         path = self.report_dir / f"{self.name}-{stamp}.json"
@@ -181,7 +181,8 @@ class GameDay:
             "agents": [{"id": a["id"], "slug": a["slug"], "behaviour": a["behaviour"]}
                        for a in self.agents.values()],
             "steady_state": {"before": self.steady_state, "after": steady_after},
-            "faults": faults,
+            "faults": self.endpoints.nemesis.fault_log(),
+            "faults_healed": self.endpoints.nemesis.verify_healed().to_json(),
             "measurements": {"time_to_stop": {"summary_us": summary,
                                               "samples_ns": [asdict(s) for s in samples]}},
             "verdicts": [asdict(v) for v in verdicts],
@@ -191,7 +192,19 @@ class GameDay:
         path.write_text(json.dumps(document, indent=2, default=str))
         return path
 
+    def copy_faults(self) -> None:
+        """The nemesis's faults into the history: a start and, once healed, a heal each."""
+        for fault in self.endpoints.nemesis.faults():
+            value = {"fault_id": fault.id, "kind": fault.kind, "target": fault.target}
+            self.history.observe("nemesis", "fault_start", value, time_ns=fault.started_ns)
+            if fault.healed_ns is not None:
+                self.history.observe("nemesis", "fault_heal",
+                                     {**value, "healed_by": fault.healed_by},
+                                     time_ns=fault.healed_ns)
+
     async def judge(self) -> tuple[list[Verdict], list[TimeToStop], FinalState]:
+        """Judge after the fact. Faults still standing are judged as they are: unhealed."""
+        self.copy_faults()
         await self.copy_ledger()
         await self.copy_sandboxes_and_sessions()
         final = await self.final_state()

@@ -129,3 +129,15 @@ async def gameday(request: pytest.FixtureRequest) -> AsyncIterator[GameDay]:
             yield day
         finally:
             await day.close()
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Module | None:
+    """Game days are the modules of a `scenarios/` folder, whatever their names: a plain
+    `pytest` (or `pytest scenarios/`) runs them too. Files named on the command line are
+    collected by pytest itself."""
+    if (file_path.suffix == ".py" and file_path.parent.name == "scenarios"
+            and not file_path.name.startswith(("_", "conftest"))
+            and not parent.session.isinitpath(file_path)):
+        module: pytest.Module = pytest.Module.from_parent(parent, path=file_path)
+        return module
+    return None

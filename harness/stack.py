@@ -21,13 +21,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 import uvicorn
 
+from harness.nemesis import Nemesis
 from harness.puppet import LocalPuppet, Puppet, PuppetControl, RemotePuppet, create_app
 
 ADMIN_PASSWORD = "game-day-admin-password"
@@ -41,6 +42,9 @@ class Endpoints:
     puppet: PuppetControl
     puppet_url: str  # the /v1 base URL the system under test's sandboxes use
     versions: dict[str, str]
+    # The game day's faults; with a proxy named "control-channel" in front of the daemons'
+    # WebSocket where the stack can place one (processes today).
+    nemesis: Nemesis = field(default_factory=Nemesis)
 
 
 class Stack(Protocol):
@@ -121,9 +125,11 @@ class ProcessesStack:
                 workdir / "pg", cleanup_mode="stop")
             database_url = str(server.get_uri())
             puppet = Puppet()
-            async with serve_puppet(puppet) as puppet_url:
+            async with serve_puppet(puppet) as puppet_url, Nemesis() as nemesis:
                 port = free_port()
+                channel = await nemesis.proxy("control-channel", "127.0.0.1", port)
                 env = {**os.environ, "DATABASE_URL": database_url,
+                       "COVEY_PUBLIC_WS_URL": f"ws://127.0.0.1:{channel.port}/api/daemon/ws",
                        "COVEY_DATA_DIR": str(workdir / "data"),
                        "COVEY_TICK_MS": str(self.tick_ms), "COVEY_LEASE_MS": str(self.lease_ms),
                        "COVEY_MODEL_URL": puppet_url, "COVEY_SANDBOX_BACKEND": "process"}
@@ -144,7 +150,7 @@ class ProcessesStack:
                 health = await wait_until_healthy(url, 60, plane)
                 yield Endpoints(url, admin, ADMIN_PASSWORD, LocalPuppet(puppet), puppet_url,
                                 {"covey": health.get("version", "?"),
-                                 "python": sys.version.split()[0]})
+                                 "python": sys.version.split()[0]}, nemesis)
         finally:
             if plane is not None and plane.returncode is None:
                 # SIGTERM: the control plane destroys its sandboxes on the way out.

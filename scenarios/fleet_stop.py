@@ -149,5 +149,5 @@ async def test_fleet_stop(gameday: GameDay, agents_per_game_day: int) -> None:
                 verdicts, samples, _ = await day.judge()
             except Exception as exc:  # the journal still says what happened
                 day.notes.append(f"judging failed: {exc!r}")
-        path = day.journal(status, verdicts, samples, [], after)
+        path = day.journal(status, verdicts, samples, after)
         print(f"journal: {path} ({status}); run id {uuid.uuid4().hex[:8]}")
