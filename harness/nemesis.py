@@ -19,16 +19,18 @@ What is here:
     closed (FIN) on both sides. Heal listens again on the same port.
   One fault at a time per proxy: a new fault replaces the one standing, which is logged as
   healed by "replaced". Connections opened after a heal are never affected.
-* `Nemesis`: owns named proxies and the process faults (`pause_process`: SIGSTOP, SIGCONT at
-  the deadline; `kill_process`: SIGKILL), keeps the fault log for the journal and answers
-  `verify_healed()`.
+* `Nemesis`: owns named proxies, the process faults (`pause_process`: SIGSTOP, SIGCONT at
+  the deadline; `kill_process`: SIGKILL) and the container faults (`pause_container`,
+  `stop_container`, `disconnect_container`, each undone at its deadline; `kill_container`),
+  keeps the fault log for the journal and answers `verify_healed()`.
 
 Deadlines run on timers in the process that holds the fault. A proxy inside the harness's
 process dies with the harness and takes its link along: fine for a stack the harness started,
 which goes too; a link that must outlive the harness goes through a proxy run on its own
 (`python -m harness.nemesis`), which keeps its timers. A stopped process would stay stopped
 forever, so each pause also starts a detached watchdog that sends SIGCONT shortly after the
-deadline even if the harness is gone.
+deadline even if the harness is gone. Container faults have no such watchdog: the containers
+stack's own are reaped, faults and all, once their harness is dead (see `Nemesis`).
 
 Times in the log are wall-clock nanoseconds (`clock`, time.time_ns unless the game day's
 History clock is passed); deadlines run on the monotonic clock.
@@ -49,9 +51,9 @@ import struct
 import sys
 import time
 from collections.abc import Callable, Generator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import uvicorn
 from fastapi import FastAPI
@@ -60,9 +62,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from covey.errors import ApiError, install
 from harness.waiting import eventually
 
+if TYPE_CHECKING:
+    from docker import DockerClient
+    from docker.models.containers import Container
+
 ProxyFaultKind = Literal["latency", "blackhole", "reset", "down"]
 PROXY_FAULT_KINDS: tuple[ProxyFaultKind, ...] = get_args(ProxyFaultKind)
-FaultKind = Literal["latency", "blackhole", "reset", "down", "pause", "kill"]
+FaultKind = Literal["latency", "blackhole", "reset", "down", "pause", "kill", "stop",
+                    "disconnect"]
+# The container faults that stand until healed (a kill is over once delivered).
+StandingContainerFaultKind = Literal["pause", "stop", "disconnect"]
 # "replaced": a newer fault on the same target took its place; "instant": a kill, over once
 # delivered (bringing the process back is the stack's job, not a heal).
 HealedBy = Literal["deadline", "heal", "replaced", "instant"]
@@ -74,6 +83,7 @@ IN_FLIGHT_CHUNKS = 64  # per direction and connection; beyond that the proxy sto
 WATCHDOG_GRACE_S = 0.5  # the watchdog is a backstop: the harness's own timer goes first
 REBIND_ATTEMPTS = 20
 STOP_WAIT_S = 5.0
+MAX_STOP_TIMEOUT_S = 600  # docker stop's grace period before its SIGKILL
 
 
 class BadFault(ValueError):
@@ -95,11 +105,12 @@ class FaultRecord:
     copies."""
 
     id: str
-    target: str  # a proxy's name, or "pid <n>"
+    target: str  # a proxy's name, "pid <n>" or "container <name>"
     kind: FaultKind
     started_ns: int
     deadline_s: float | None = None
     ms: int | None = None
+    network: str | None = None  # the network a container is disconnected from
     heals_at_ns: int | None = None
     healed_ns: int | None = None
     healed_by: HealedBy | None = None
@@ -571,6 +582,89 @@ async def _stop_watchdog(watchdog: asyncio.subprocess.Process) -> None:
     await watchdog.wait()
 
 
+# ---------------------------------------------------------------- container faults
+
+
+@dataclass
+class _ContainerFault:
+    """A standing fault of one container, and what its heal needs."""
+
+    key: str  # the container's full id: its name may pass to another container meanwhile
+    name: str
+    record: FaultRecord
+    heals_at: float  # on the monotonic clock
+    network_id: str | None = None  # disconnect: the network, and how to connect it again
+    reconnect: dict[str, Any] = field(default_factory=dict)
+    timer: asyncio.Task[None] | None = None
+
+
+_UNDO: dict[str, str] = {"pause": "unpause", "stop": "start", "disconnect": "reconnect"}
+
+
+def _check_stop_timeout(timeout_s: int) -> None:
+    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, int)
+            or not 0 <= timeout_s <= MAX_STOP_TIMEOUT_S):
+        raise BadFault("Invalid timeout_s",
+                       f"timeout_s must be a whole number of seconds, >= 0 and <= "
+                       f"{MAX_STOP_TIMEOUT_S}, not {timeout_s!r}: how long docker stop waits "
+                       "after the stop signal before it kills.")
+
+
+def _identity(container: Container) -> tuple[str, str]:
+    """(full id, name) of a container as the engine returned it."""
+    key = container.id
+    assert key is not None, "a container from the engine always has an id"
+    return key, container.name or container.short_id
+
+
+def _network_settings(container: Container, network_id: str) -> dict[str, Any] | None:
+    """The container's endpoint on a network (its full id), as of the container's last
+    inspect; None when it is not on that network."""
+    networks = (container.attrs.get("NetworkSettings") or {}).get("Networks") or {}
+    for settings in networks.values():
+        if settings.get("NetworkID") == network_id:
+            return dict(settings)
+    return None
+
+
+def _reconnect_settings(container: Container, settings: dict[str, Any]) -> dict[str, Any]:
+    """`Network.connect()`'s arguments that put the container back as it was: its aliases
+    (without its short id, which the engine adds itself) and any static addresses."""
+    reconnect: dict[str, Any] = {}
+    aliases = [a for a in settings.get("Aliases") or [] if a != container.short_id]
+    if aliases:
+        reconnect["aliases"] = aliases
+    ipam = settings.get("IPAMConfig") or {}
+    if ipam.get("IPv4Address"):
+        reconnect["ipv4_address"] = ipam["IPv4Address"]
+    if ipam.get("IPv6Address"):
+        reconnect["ipv6_address"] = ipam["IPv6Address"]
+    if ipam.get("LinkLocalIPs"):
+        reconnect["link_local_ips"] = ipam["LinkLocalIPs"]
+    return reconnect
+
+
+def _undo_container_fault(client: DockerClient, fault: _ContainerFault) -> str | None:
+    """Lift `fault` (blocking: run it in a thread). Returns a note when there was nothing left
+    to lift; the engine's errors (the container or network gone) pass through."""
+    container = client.containers.get(fault.key)
+    kind = fault.record.kind
+    if kind == "pause":
+        if container.status != "paused":
+            return f"no longer paused when healed (status {container.status})"
+        container.unpause()
+    elif kind == "stop":
+        if container.status in ("running", "paused", "restarting"):
+            return f"already started again when healed (status {container.status})"
+        container.start()
+    elif kind == "disconnect":
+        assert fault.network_id is not None
+        if _network_settings(container, fault.network_id) is not None:
+            return "already back on the network when healed"
+        client.networks.get(fault.network_id).connect(container, **fault.reconnect)
+    return None
+
+
 # ---------------------------------------------------------------- the nemesis
 
 
@@ -599,14 +693,28 @@ class HealReport:
 
 class Nemesis:
     """All faults of one game day. `async with Nemesis() as nemesis`: leaving heals whatever
-    still stands and closes the proxies, so call `verify_healed()` before leaving."""
+    still stands and closes the proxies, so call `verify_healed()` before leaving.
 
-    def __init__(self, *, clock: Callable[[], int] = time.time_ns) -> None:
+    Container faults go through `docker_client` (else a client from the environment, made on
+    first use and closed on leaving) and heal on this nemesis's timers. Unlike a process pause
+    they have no watchdog to heal them after the harness dies: the containers stack labels
+    its containers with the harness's pid, and the next containers stack to come up reaps a
+    dead harness's containers, faults and all (`harness.stack.reap_stale_game_days`). A
+    container from anywhere else stays paused, stopped or disconnected after a dead harness
+    until someone lifts the fault by hand.
+    """
+
+    def __init__(self, *, clock: Callable[[], int] = time.time_ns,
+                 docker_client: DockerClient | None = None) -> None:
         self._clock = clock
         self._proxies: dict[str, FaultProxy] = {}
         self._owned = contextlib.AsyncExitStack()
         self._process_log: list[FaultRecord] = []
         self._pauses: dict[int, _Pause] = {}
+        self._docker = docker_client
+        self._container_log: list[FaultRecord] = []
+        self._containers: dict[str, _ContainerFault] = {}  # by full id: one fault each
+        self._container_locks: dict[str, asyncio.Lock] = {}
         self._ids = itertools.count(1)
 
     async def __aenter__(self) -> Nemesis:
@@ -616,6 +724,9 @@ class Nemesis:
         try:
             await self.heal_all()
         finally:
+            for fault in self._containers.values():  # heals that failed: no retries once closed
+                if fault.timer is not None:
+                    fault.timer.cancel()
             await self._owned.aclose()
 
     # ---------------------------------------------------------------- proxies
@@ -707,10 +818,202 @@ class Nemesis:
         await _stop_watchdog(pause.watchdog)
 
     # ---------------------------------------------------------------- containers
-    # docker pause/stop/kill/disconnect come here (a later step), as FaultRecords with target
-    # "container <name>". Their self-heal must outlive the harness like the SIGCONT watchdog:
-    # a detached `docker unpause`/`network connect` at the deadline, or a label the stack's
-    # crash cleanup reads.
+    # `container` is a name or an id, and `network` too; one fault per container at a time, a
+    # new one replacing the one standing (as on a proxy). The engine's calls block, so each
+    # runs in a thread; the engine's errors (docker.errors.NotFound for an unknown container,
+    # APIError for a refused call) pass through and leave no fault behind.
+
+    async def pause_container(self, container: str, deadline_s: float) -> FaultRecord:
+        """docker pause `container` (its processes frozen, its sockets open); unpause at the
+        deadline."""
+        check_deadline(deadline_s)
+        target = await self._get_container(container)
+
+        def pause(_: _ContainerFault) -> None:
+            target.pause()
+
+        return await self._start_container_fault(target, "pause", deadline_s, pause)
+
+    async def stop_container(self, container: str, deadline_s: float,
+                             timeout_s: int = 10) -> FaultRecord:
+        """docker stop `container` (its stop signal, SIGKILL after `timeout_s`) and return once
+        it has stopped; start it again at the deadline, which counts from the stop's start,
+        grace period included."""
+        check_deadline(deadline_s)
+        _check_stop_timeout(timeout_s)
+        target = await self._get_container(container)
+
+        def stop(_: _ContainerFault) -> None:
+            target.stop(timeout=timeout_s)
+
+        return await self._start_container_fault(target, "stop", deadline_s, stop)
+
+    async def disconnect_container(self, container: str, network: str,
+                                   deadline_s: float) -> FaultRecord:
+        """Disconnect `container` from `network`; connect it again at the deadline with the
+        aliases (and static addresses) it had there. Raises BadFault when it is not on the
+        network."""
+        check_deadline(deadline_s)
+        target = await self._get_container(container)
+        client = await self._docker_client()
+        net = await asyncio.to_thread(client.networks.get, network)
+        key, name = _identity(target)
+        assert net.id is not None
+        net_id, net_name = net.id, net.name or net.short_id
+        standing = self._containers.get(key)
+        off_by_us = (standing is not None and standing.record.kind == "disconnect"
+                     and standing.network_id == net_id)
+
+        def not_on_it() -> BadFault:
+            return BadFault("Not on the network",
+                            f"container {name} is not connected to network {net_name}: "
+                            "connect it first, or name a network it is on.")
+
+        if _network_settings(target, net_id) is None and not off_by_us:
+            raise not_on_it()
+
+        def disconnect(fault: _ContainerFault) -> None:
+            target.reload()  # as it is now, after the heal of a fault this one replaced
+            settings = _network_settings(target, net_id)
+            if settings is None:
+                raise not_on_it()
+            fault.reconnect = _reconnect_settings(target, settings)  # before it is needed
+            net.disconnect(target)
+
+        return await self._start_container_fault(target, "disconnect", deadline_s, disconnect,
+                                                 network=(net_id, net_name))
+
+    async def kill_container(self, container: str) -> FaultRecord:
+        """docker kill `container` (SIGKILL): over once delivered, so healed by "instant";
+        bringing it back is the stack's job, not a heal. A standing pause ends with it (as
+        "replaced": the engine kills a paused container outright), and a standing disconnect
+        is undone (as "replaced": a container stays off a network through a restart). Killing
+        a container that is not running (one this nemesis stopped, say) raises APIError and
+        changes nothing."""
+        target = await self._get_container(container)
+        key, name = _identity(target)
+        async with self._container_lock(key):
+            await asyncio.to_thread(target.kill)
+            now = self._clock()
+            record = FaultRecord(id=f"container-{name}-kill-{next(self._ids)}",
+                                 target=f"container {name}", kind="kill", started_ns=now,
+                                 healed_ns=now, healed_by="instant")
+            self._container_log.append(record)
+            standing = self._containers.get(key)
+            if standing is not None and standing.record.kind == "disconnect":
+                with contextlib.suppress(HealFailed):  # noted; it stands and its timer retries
+                    await self._lift_container(standing, "replaced")
+            elif standing is not None:
+                self._end_container_fault(standing, "replaced")
+            return dataclasses.replace(record)
+
+    async def resume_container(self, container: str) -> FaultRecord | None:
+        """Heal the standing fault of `container` (a name, an id or an id's prefix) at once;
+        None when it has none of ours. Raises HealFailed when the fault cannot be lifted (the
+        container was removed, say): the record's note says why, and the fault stands."""
+        fault = self._find_container_fault(container)
+        if fault is None:
+            return None
+        async with self._container_lock(fault.key):
+            if self._containers.get(fault.key) is not fault:
+                return None  # healed while we waited
+            await self._lift_container(fault, "heal")
+            return dataclasses.replace(fault.record)
+
+    async def _docker_client(self) -> DockerClient:
+        if self._docker is None:
+            import docker
+
+            client = await asyncio.to_thread(docker.from_env)
+            if self._docker is None:
+                self._docker = client
+                self._owned.callback(client.close)
+            else:  # another fault made one meanwhile
+                client.close()
+        return self._docker
+
+    async def _get_container(self, container: str) -> Container:
+        client = await self._docker_client()
+        return await asyncio.to_thread(client.containers.get, container)
+
+    def _container_lock(self, key: str) -> asyncio.Lock:
+        return self._container_locks.setdefault(key, asyncio.Lock())
+
+    def _find_container_fault(self, container: str) -> _ContainerFault | None:
+        """Our standing fault of a container, found as the engine would find it (without
+        asking the engine, which no longer knows a removed container)."""
+        wanted = container.lstrip("/")
+        for fault in self._containers.values():
+            if wanted in (fault.key, fault.name):
+                return fault
+        prefixed = [f for f in self._containers.values() if wanted and f.key.startswith(wanted)]
+        return prefixed[0] if len(prefixed) == 1 else None
+
+    async def _start_container_fault(
+            self, target: Container, kind: StandingContainerFaultKind, deadline_s: float,
+            impose: Callable[[_ContainerFault], None],
+            network: tuple[str, str] | None = None) -> FaultRecord:
+        """Replace the container's standing fault with a new one that `impose` (run in a
+        thread, given the new fault) brings about. Raises HealFailed when the standing fault
+        cannot be lifted (it then still stands, and the new one is not started)."""
+        key, name = _identity(target)
+        async with self._container_lock(key):
+            standing = self._containers.get(key)
+            if standing is not None:
+                await self._lift_container(standing, "replaced")
+            started_ns = self._clock()
+            record = FaultRecord(id=f"container-{name}-{kind}-{next(self._ids)}",
+                                 target=f"container {name}", kind=kind, started_ns=started_ns,
+                                 deadline_s=deadline_s,
+                                 heals_at_ns=started_ns + round(deadline_s * 1e9),
+                                 network=None if network is None else network[1])
+            fault = _ContainerFault(key, name, record, time.monotonic() + deadline_s,
+                                    network_id=None if network is None else network[0])
+            # Logged, and on its timer, before the engine is asked: were this task cancelled
+            # while the engine's call runs on in its thread, the fault would still heal.
+            self._containers[key] = fault
+            self._container_log.append(record)
+            fault.timer = asyncio.create_task(self._heal_container_at(fault))
+            try:
+                await asyncio.to_thread(impose, fault)
+            except Exception as e:
+                fault.timer.cancel()
+                del self._containers[key]
+                self._container_log.remove(record)
+                if standing is not None:  # lifted, but replaced by nothing
+                    standing.record.healed_by = "heal"
+                    standing.record.note = f"healed for a {kind} that failed to start: {e}"
+                raise
+            return dataclasses.replace(record)
+
+    async def _heal_container_at(self, fault: _ContainerFault) -> None:
+        await asyncio.sleep(max(0.0, fault.heals_at - time.monotonic()))
+        async with self._container_lock(fault.key):
+            if self._containers.get(fault.key) is fault:
+                with contextlib.suppress(HealFailed):  # noted in the record; it stays unhealed
+                    await self._lift_container(fault, "deadline")
+
+    async def _lift_container(self, fault: _ContainerFault, how: HealedBy) -> None:
+        """Undo `fault` and log its heal. Called with the container's lock held. Raises
+        HealFailed when it cannot be undone: the record's note says why, and it stands."""
+        client = await self._docker_client()
+        try:
+            note = await asyncio.to_thread(_undo_container_fault, client, fault)
+        except Exception as e:  # whatever stops the heal (container or network gone, no engine)
+            fault.record.note = (f"could not {_UNDO[fault.record.kind]} container {fault.name}"
+                                 f": {e}")
+            raise HealFailed(fault.record.note) from e
+        if note is not None:
+            fault.record.note = note
+        self._end_container_fault(fault, how)
+
+    def _end_container_fault(self, fault: _ContainerFault, how: HealedBy) -> None:
+        fault.record.healed_ns = self._clock()
+        fault.record.healed_by = how
+        if self._containers.get(fault.key) is fault:
+            del self._containers[fault.key]
+        if fault.timer is not None and fault.timer is not asyncio.current_task():
+            fault.timer.cancel()
 
     # ---------------------------------------------------------------- the end of a game day
 
@@ -721,6 +1024,11 @@ class Nemesis:
             record = await self.resume_process(pid)
             if record is not None:
                 healed.append(record)
+        for key in list(self._containers):
+            with contextlib.suppress(HealFailed):  # the record says why; verify_healed tells
+                container_record = await self.resume_container(key)
+                if container_record is not None:
+                    healed.append(container_record)
         for proxy in self._proxies.values():
             with contextlib.suppress(HealFailed):  # the record says why; verify_healed tells
                 proxy_record = await proxy.heal()
@@ -730,7 +1038,7 @@ class Nemesis:
 
     def faults(self) -> list[FaultRecord]:
         """Every fault of the game day, by start time, as copies."""
-        records = [*self._process_log,
+        records = [*self._process_log, *self._container_log,
                    *(r for proxy in self._proxies.values() for r in proxy.fault_log())]
         return sorted((dataclasses.replace(r) for r in records), key=lambda r: r.started_ns)
 
