@@ -150,6 +150,8 @@ class DockerProvider:
                 environment={**spec.env, "HOME": self.HOME},
                 volumes={str(spec.home): {"bind": self.HOME, "mode": "rw"}},
                 working_dir=self.HOME, network_mode=self._network,
+                # An init as PID 1 passes signals on: `docker stop` reaches coveyd.
+                init=True,
                 mem_limit=self._memory, pids_limit=self._pids,
                 name=f"covey-sandbox-{spec.sandbox_id}")
             if self._closed:  # closed while the engine was starting it

@@ -24,6 +24,8 @@ from harness.measure import TimeToStop, summarize, time_to_stop
 from harness.stack import Endpoints
 
 ROLES = ("agent_owner", "security", "auditor", "controlling")
+GAME_DAY_MAX_TURNS = 10_000
+GAME_DAY_GUARD = {"max_tokens": 10_000_000, "max_tool_calls": 100_000, "max_wall_s": 3600.0}
 OBSERVER = "observer"
 
 
@@ -69,11 +71,15 @@ class GameDay:
             self.people[role] = await CoveyClient.signed_in(e.url, email, password)
 
     async def agent(self, behaviour: str, warm: bool = False) -> dict[str, Any]:
-        """An agent of this game day whose model answers with `behaviour`."""
+        """An agent of this game day whose model answers with `behaviour`. Its step, token,
+        tool-call and time limits are out of reach: a game day's agents stop because of the
+        switch or fault under test, not because a long-running behaviour used up its default
+        20 steps (the loop detector, breakers and dollar budget still stand)."""
         slug = f"{self.fake.slug()}-{len(self.agents)}-{self.seed}"[:60]
         name = f"{self.fake.job()} bot"[:200]
         agent: dict[str, Any] = json_of(await self.people["org_admin"].create_agent(
-            slug, name, warm_sandbox=warm, guard={"max_tokens": 10_000_000}), 201)
+            slug, name, warm_sandbox=warm, max_turns=GAME_DAY_MAX_TURNS,
+            guard=GAME_DAY_GUARD), 201)
         await self.endpoints.puppet.assign(agent["id"], behaviour)
         agent["behaviour"] = behaviour
         self.agents[agent["id"]] = agent

@@ -67,8 +67,9 @@ async def wait_until_healthy(url: str, deadline_s: float, process: asyncio.subpr
     async with httpx.AsyncClient(timeout=2) as http:
         while time.monotonic() < deadline:
             if process is not None and process.returncode is not None:
-                raise RuntimeError(f"the control plane exited with {process.returncode} "
-                                   "during start-up; its log is in the report directory")
+                raise RuntimeError(f"the process behind {url} exited with "
+                                   f"{process.returncode} during start-up; its log is in the "
+                                   "report directory")
             try:
                 r = await http.get(f"{url}{path}")
                 if r.status_code == 200:
@@ -100,6 +101,26 @@ async def serve_puppet(puppet: Puppet, port: int | None = None) -> AsyncIterator
         await serving
 
 
+@asynccontextmanager
+async def puppet_process(log_dir: Path) -> AsyncIterator[RemotePuppet]:
+    """The puppet model in a process of its own: its ledger stamps each request when it
+    arrives, not when a busy harness's event loop gets round to it (in-process, 50 agents'
+    calls were stamped after the kill that had already stopped them)."""
+    port = free_port()
+    with (log_dir / f"puppet-{port}.log").open("ab") as log:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "harness.puppet", "--port", str(port),
+            stdout=log, stderr=asyncio.subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        await wait_until_healthy(f"{url}/puppet", 30, process, path="/ledger")
+        yield RemotePuppet(url)
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            await process.wait()
+
+
 @dataclass
 class ProcessesStack:
     """Embedded Postgres (pgserver), `covey serve` as a subprocess with the process sandbox
@@ -124,8 +145,8 @@ class ProcessesStack:
                 pgserver.get_server,  # type: ignore[attr-defined]
                 workdir / "pg", cleanup_mode="stop")
             database_url = str(server.get_uri())
-            puppet = Puppet()
-            async with serve_puppet(puppet) as puppet_url, Nemesis() as nemesis:
+            async with puppet_process(self.report_dir) as puppet, Nemesis() as nemesis:
+                puppet_url = f"{puppet.url}/v1"
                 port = free_port()
                 channel = await nemesis.proxy("control-channel", "127.0.0.1", port)
                 env = {**os.environ, "DATABASE_URL": database_url,
@@ -148,7 +169,7 @@ class ProcessesStack:
                         stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
                 url = f"http://127.0.0.1:{port}"
                 health = await wait_until_healthy(url, 60, plane)
-                yield Endpoints(url, admin, ADMIN_PASSWORD, LocalPuppet(puppet), puppet_url,
+                yield Endpoints(url, admin, ADMIN_PASSWORD, puppet, puppet_url,
                                 {"covey": health.get("version", "?"),
                                  "python": sys.version.split()[0]}, nemesis)
         finally:
