@@ -81,7 +81,10 @@ def main(argv: list[str] | None = None) -> None:
 
         app = create_app(settings, host=args.host, port=args.port)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    ws="websockets-sansio", ws_ping_interval=5, ws_ping_timeout=5)
+                    ws="websockets-sansio", ws_ping_interval=5, ws_ping_timeout=5,
+                    # Longer than a client's idle gaps: fewer kept-alive connections closed
+                    # just as the client reuses them.
+                    timeout_keep_alive=30)
     elif args.command == "migrate":
         from covey.db import migrate
 

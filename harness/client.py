@@ -32,6 +32,15 @@ class CoveyClient:
     async def aclose(self) -> None:
         await self.http.aclose()
 
+    async def get(self, path: str, **params: Any) -> httpx.Response:
+        """GET, retried once when the server closed the kept-alive connection just as it was
+        reused (httpx then sees "Server disconnected without sending a response"): a read is
+        safe to repeat, and a game day must not fail on that race."""
+        try:
+            return await self.http.get(path, params=params or None)
+        except httpx.RemoteProtocolError:
+            return await self.http.get(path, params=params or None)
+
     @classmethod
     async def signed_in(cls, base_url: str, email: str, password: str) -> CoveyClient:
         """Sign in with email and password, then act with an API token of that human."""
@@ -47,7 +56,7 @@ class CoveyClient:
 
     # people
     async def me(self) -> httpx.Response:
-        return await self.http.get("/api/v1/auth/me")
+        return await self.get("/api/v1/auth/me")
 
     async def add_member(self, email: str, password: str, role: str) -> httpx.Response:
         return await self.http.post("/api/v1/members",
@@ -59,29 +68,29 @@ class CoveyClient:
                                     json={"slug": slug, "display_name": display_name, **fields})
 
     async def agent(self, agent_id: str) -> httpx.Response:
-        return await self.http.get(f"/api/v1/agents/{agent_id}")
+        return await self.get(f"/api/v1/agents/{agent_id}")
 
     async def agents(self) -> httpx.Response:
-        return await self.http.get("/api/v1/agents")
+        return await self.get("/api/v1/agents")
 
     async def create_task(self, agent_id: str, title: str, body: str = "") -> httpx.Response:
         return await self.http.post(f"/api/v1/agents/{agent_id}/tasks",
                                     json={"title": title, "body": body})
 
     async def backlog(self, agent_id: str) -> httpx.Response:
-        return await self.http.get(f"/api/v1/agents/{agent_id}/backlog")
+        return await self.get(f"/api/v1/agents/{agent_id}/backlog")
 
     async def task(self, agent_id: str, task_id: str) -> httpx.Response:
-        return await self.http.get(f"/api/v1/agents/{agent_id}/tasks/{task_id}")
+        return await self.get(f"/api/v1/agents/{agent_id}/tasks/{task_id}")
 
     async def sandboxes(self, agent_id: str) -> httpx.Response:
-        return await self.http.get(f"/api/v1/agents/{agent_id}/sandboxes")
+        return await self.get(f"/api/v1/agents/{agent_id}/sandboxes")
 
     async def sessions(self, agent_id: str) -> httpx.Response:
-        return await self.http.get(f"/api/v1/agents/{agent_id}/sessions")
+        return await self.get(f"/api/v1/agents/{agent_id}/sessions")
 
     async def recording(self, agent_id: str) -> httpx.Response:
-        return await self.http.get(f"/api/v1/agents/{agent_id}/recording")
+        return await self.get(f"/api/v1/agents/{agent_id}/recording")
 
     async def wake(self, agent_id: str) -> httpx.Response:
         return await self.http.post(f"/api/v1/agents/{agent_id}/wake")
@@ -111,7 +120,7 @@ class CoveyClient:
         return await self.http.post("/api/v1/fleet/resume")
 
     async def fleet(self) -> httpx.Response:
-        return await self.http.get("/api/v1/fleet")
+        return await self.get("/api/v1/fleet")
 
     async def notifications(self) -> httpx.Response:
-        return await self.http.get("/api/v1/notifications")
+        return await self.get("/api/v1/notifications")
