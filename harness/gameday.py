@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import platform
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,6 +34,24 @@ def _ns(timestamp: str | None) -> int | None:
     if timestamp is None:
         return None
     return int(datetime.fromisoformat(timestamp).timestamp() * 1_000_000_000)
+
+
+@dataclass
+class Outcome:
+    """What a game day concluded; filled in by the scenario as it goes."""
+
+    verdicts: list[Verdict] = field(default_factory=list)
+    samples: list[TimeToStop] = field(default_factory=list)
+    final: FinalState | None = None
+    steady_after: dict[str, Any] = field(default_factory=dict)
+    journal: Path | None = None
+
+
+def assert_valid(verdicts: list[Verdict]) -> None:
+    """Fail with every failed verdict, each naming the events that prove it."""
+    failed = [v for v in verdicts if v.valid is False]
+    assert not failed, "\n".join(f"{v.checker}: {v.message} (events {v.evidence})"
+                                 for v in failed)
 
 
 @dataclass
@@ -215,6 +234,33 @@ class GameDay:
         await self.copy_sandboxes_and_sessions()
         final = await self.final_state()
         return check_all(self.history, final), time_to_stop(self.history, final), final
+
+    @asynccontextmanager
+    async def journaled(self) -> AsyncIterator[Outcome]:
+        """Run a scenario's body; whatever happens, judge (if the body did not) and write the
+        journal: `completed`, `failed` on a failed assertion, `aborted` on anything else."""
+        outcome = Outcome()
+        status = "aborted"
+        try:
+            yield outcome
+            status = "completed"
+        except AssertionError:
+            status = "failed"
+            raise
+        finally:
+            if outcome.final is None:
+                try:
+                    outcome.verdicts, outcome.samples, outcome.final = await self.judge()
+                except Exception as exc:  # the journal still says what happened
+                    self.notes.append(f"judging failed: {exc!r}")
+            outcome.journal = self.journal(status, outcome.verdicts, outcome.samples,
+                                           outcome.steady_after)
+            print(f"journal: {outcome.journal} ({status})")
+
+    async def judged(self, outcome: Outcome) -> FinalState:
+        """Judge now (after the scenario's last operation) into `outcome`."""
+        outcome.verdicts, outcome.samples, outcome.final = await self.judge()
+        return outcome.final
 
     async def close(self) -> None:
         for client in self.people.values():

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from harness.client import json_of
-from harness.gameday import GameDay
+from harness.gameday import GameDay, assert_valid
 from harness.waiting import eventually
 
 LEASE_S = 2.0  # the processes stack's COVEY_LEASE_MS
@@ -24,8 +24,7 @@ async def test_control_channel_cut(gameday: GameDay, agents_per_game_day: int) -
     if "control-channel" not in day.endpoints.nemesis.proxies:
         pytest.skip(f"the {day.stack} stack has no proxy on the control channel")
     channel = day.endpoints.nemesis["control-channel"]
-    status, verdicts, samples = "aborted", [], []
-    try:
+    async with day.journaled() as outcome:
         agents = [await day.agent("silent") for _ in range(min(agents_per_game_day, 5))]
         for a in agents:
             await day.task(a["id"])
@@ -70,22 +69,9 @@ async def test_control_channel_cut(gameday: GameDay, agents_per_game_day: int) -
             return all(t["state"] == "done" for t in (await day.read_tasks()).values())
         await eventually(all_done, 120, "tasks left undone after the channel came back")
 
-        verdicts, samples, final = await day.judge()
-        failed = [v for v in verdicts if v.valid is False]
-        assert not failed, "\n".join(f"{v.checker}: {v.message} (events {v.evidence})"
-                                     for v in failed)
-        healed_verdict = next(v for v in verdicts if v.checker == "every_fault_healed")
+        final = await day.judged(outcome)
+        assert_valid(outcome.verdicts)
+        healed_verdict = next(v for v in outcome.verdicts if v.checker == "every_fault_healed")
         assert healed_verdict.valid is True, healed_verdict.message
         assert all(t["done_count"] == 1 for t in final.tasks.values())
         assert day.endpoints.nemesis.verify_healed().healed
-        status = "completed"
-    except AssertionError:
-        status = "failed"
-        raise
-    finally:
-        if not verdicts:
-            try:
-                verdicts, samples, _ = await day.judge()
-            except Exception as exc:
-                day.notes.append(f"judging failed: {exc!r}")
-        print(f"journal: {day.journal(status, verdicts, samples, {})} ({status})")

@@ -10,11 +10,10 @@ the journal (reports/) keeps the verdicts, time-to-stop per agent and the steady
 from __future__ import annotations
 
 import asyncio
-import uuid
 from typing import Any
 
 from harness.client import json_of
-from harness.gameday import GameDay
+from harness.gameday import GameDay, assert_valid
 from harness.waiting import eventually
 
 # A mix that keeps working until stopped: a multi-step writer, an agent that never stops on
@@ -26,8 +25,7 @@ STOPPED = {"error": "Agent or fleet is stopped", "hint": "resume it first."}
 async def test_fleet_stop(gameday: GameDay, agents_per_game_day: int) -> None:
     day = gameday
     security, admin = day.people["security"], day.people["org_admin"]
-    status, verdicts, samples, after = "aborted", [], [], {}
-    try:
+    async with day.journaled() as outcome:
         # Steady state: every agent working, tasks moving.
         agents = [await day.agent(BEHAVIOURS[i % len(BEHAVIOURS)])
                   for i in range(agents_per_game_day)]
@@ -123,15 +121,14 @@ async def test_fleet_stop(gameday: GameDay, agents_per_game_day: int) -> None:
             tasks = await day.read_tasks()
             return all(t["state"] == "done" for t in tasks.values())
         await eventually(all_done, 120, "tasks left undone after the resume")
-        after = {"tasks_done": len(await day.read_tasks()), "agents": len(agents)}
+        outcome.steady_after = {"tasks_done": len(await day.read_tasks()),
+                                "agents": len(agents)}
 
-        verdicts, samples, final = await day.judge()
-        failed = [v for v in verdicts if v.valid is False]
-        assert not failed, "\n".join(f"{v.checker}: {v.message} (events {v.evidence})"
-                                     for v in failed)
+        final = await day.judged(outcome)
+        assert_valid(outcome.verdicts)
         assert all(f["done_count"] == 1 for f in final.tasks.values())
         # A time-to-stop for every agent; the daemons that were running exited 3 within it.
-        fleet = [s for s in samples if s.kill_f == "kill_fleet"]
+        fleet = [s for s in outcome.samples if s.kill_f == "kill_fleet"]
         assert {s.agent_id for s in fleet} == {a["id"] for a in agents}
         assert all(s.kill_acknowledged_ns is not None for s in fleet)
         stopped_agents = {a["id"] for a in agents
@@ -139,15 +136,3 @@ async def test_fleet_stop(gameday: GameDay, agents_per_game_day: int) -> None:
                           if s["id"] in cancelled}
         assert all(s.daemon_exit_ns is not None and s.sandbox_gone_ns is not None
                    for s in fleet if s.agent_id in stopped_agents)
-        status = "completed"
-    except AssertionError:
-        status = "failed"
-        raise
-    finally:
-        if not verdicts:
-            try:
-                verdicts, samples, _ = await day.judge()
-            except Exception as exc:  # the journal still says what happened
-                day.notes.append(f"judging failed: {exc!r}")
-        path = day.journal(status, verdicts, samples, after)
-        print(f"journal: {path} ({status}); run id {uuid.uuid4().hex[:8]}")
