@@ -229,6 +229,7 @@ class GameDay:
 
     async def judge(self) -> tuple[list[Verdict], list[TimeToStop], FinalState]:
         """Judge after the fact. Faults still standing are judged as they are: unhealed."""
+        await self.endpoints.nemesis.refresh()
         self.copy_faults()
         await self.copy_ledger()
         await self.copy_sandboxes_and_sessions()

@@ -691,6 +691,81 @@ class HealReport:
                 "faults": [r.to_json() for r in self.faults]}
 
 
+class RemoteFaultProxy:
+    """A fault proxy run on its own (`python -m harness.nemesis`), in a container on a game
+    day's network for instance, steered over its HTTP control API. Its log lives there:
+    `refresh()` reads it, and `fault_log()`/`active` answer from the last read."""
+
+    def __init__(self, name: str, control_url: str) -> None:
+        self.name = name
+        self.control_url = control_url.rstrip("/")
+        self._log: list[FaultRecord] = []
+        self._active: FaultRecord | None = None
+
+    @property
+    def active(self) -> FaultRecord | None:
+        return None if self._active is None else dataclasses.replace(self._active)
+
+    def fault_log(self) -> list[FaultRecord]:
+        return [dataclasses.replace(r) for r in self._log]
+
+    async def refresh(self) -> None:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=10) as http:
+            r = await http.get(f"{self.control_url}/faults")
+            r.raise_for_status()
+            state = r.json()
+        self._log = [_record(row) for row in state["log"]]
+        self._active = None if state["active"] is None else _record(state["active"])
+
+    async def inject(self, kind: ProxyFaultKind, deadline_s: float,
+                     ms: int | None = None) -> FaultRecord:
+        import httpx
+
+        check_proxy_fault(kind, deadline_s, ms)
+        body: dict[str, Any] = {"kind": kind, "deadline_s": deadline_s}
+        if ms is not None:
+            body["ms"] = ms
+        async with httpx.AsyncClient(timeout=10) as http:
+            r = await http.post(f"{self.control_url}/faults", json=body)
+        if r.status_code != 201:
+            raise BadFault(f"the proxy refused the fault: {r.status_code}", r.text[:300])
+        await self.refresh()
+        return _record(r.json())
+
+    async def latency(self, ms: int, deadline_s: float) -> FaultRecord:
+        return await self.inject("latency", deadline_s, ms)
+
+    async def blackhole(self, deadline_s: float) -> FaultRecord:
+        return await self.inject("blackhole", deadline_s)
+
+    async def reset(self, deadline_s: float) -> FaultRecord:
+        return await self.inject("reset", deadline_s)
+
+    async def down(self, deadline_s: float) -> FaultRecord:
+        return await self.inject("down", deadline_s)
+
+    async def heal(self) -> FaultRecord | None:
+        import httpx
+
+        try:
+            async with httpx.AsyncClient(timeout=10) as http:
+                r = await http.delete(f"{self.control_url}/faults")
+        except httpx.HTTPError as exc:
+            raise HealFailed(f"the proxy {self.name} did not answer: {exc!r}") from None
+        if r.status_code != 200:
+            raise HealFailed(f"the proxy {self.name} could not heal: {r.text[:300]}")
+        await self.refresh()
+        healed = r.json().get("healed")
+        return None if healed is None else _record(healed)
+
+
+def _record(row: dict[str, Any]) -> FaultRecord:
+    known = {f.name for f in dataclasses.fields(FaultRecord)}
+    return FaultRecord(**{k: v for k, v in row.items() if k in known})
+
+
 class Nemesis:
     """All faults of one game day. `async with Nemesis() as nemesis`: leaving heals whatever
     still stands and closes the proxies, so call `verify_healed()` before leaving.
@@ -707,7 +782,7 @@ class Nemesis:
     def __init__(self, *, clock: Callable[[], int] = time.time_ns,
                  docker_client: DockerClient | None = None) -> None:
         self._clock = clock
-        self._proxies: dict[str, FaultProxy] = {}
+        self._proxies: dict[str, FaultProxy | RemoteFaultProxy] = {}
         self._owned = contextlib.AsyncExitStack()
         self._process_log: list[FaultRecord] = []
         self._pauses: dict[int, _Pause] = {}
@@ -742,11 +817,25 @@ class Nemesis:
         self._proxies[name] = proxy
         return proxy
 
-    def __getitem__(self, name: str) -> FaultProxy:
+    async def add_remote(self, proxy: RemoteFaultProxy) -> RemoteFaultProxy:
+        """Steer a proxy that runs elsewhere (it heals on its own deadlines there too)."""
+        if proxy.name in self._proxies:
+            raise ValueError(f"a proxy named {proxy.name!r} already exists")
+        await proxy.refresh()
+        self._proxies[proxy.name] = proxy
+        return proxy
+
+    async def refresh(self) -> None:
+        """Read the logs of remote proxies; local ones are always current."""
+        for proxy in self._proxies.values():
+            if isinstance(proxy, RemoteFaultProxy):
+                await proxy.refresh()
+
+    def __getitem__(self, name: str) -> FaultProxy | RemoteFaultProxy:
         return self._proxies[name]
 
     @property
-    def proxies(self) -> Mapping[str, FaultProxy]:
+    def proxies(self) -> Mapping[str, FaultProxy | RemoteFaultProxy]:
         return dict(self._proxies)
 
     # ---------------------------------------------------------------- processes

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import httpx
 import uvicorn
 
-from harness.nemesis import Nemesis
+from harness.nemesis import Nemesis, RemoteFaultProxy
 from harness.puppet import LocalPuppet, Puppet, PuppetControl, RemotePuppet, create_app
 
 ADMIN_PASSWORD = "game-day-admin-password"
@@ -264,7 +264,8 @@ def _alive(pid: int) -> bool:
 class ContainersStack:
     """Every part in a container of the stack's image, on one Docker network per game day:
     Postgres, the control plane (given the Docker API, so that it starts one sandbox
-    container per session on the same network) and the puppet model. Everything carries the
+    container per session on the same network), the puppet model, and the nemesis's fault
+    proxy in front of the daemons' control channel. Everything carries the
     game day's labels and is removed afterwards; a crashed harness's leftovers are reaped by
     the next one."""
 
@@ -313,7 +314,19 @@ class ContainersStack:
                                                .with_command(["sh", "-c", POSTGRES_SCRIPT]))
             await asyncio.to_thread(wait_for_logs, postgres,
                                     "database system is ready to accept connections", 60)
-            puppet_port, plane_port = free_port(), free_port()
+            puppet_port, plane_port, channel_port = free_port(), free_port(), free_port()
+            # The nemesis's proxy on the daemons' control channel, a container of its own on
+            # the game day's network; it heals on its own deadlines even if we die.
+            await asyncio.to_thread(start, DockerContainer(self.image)
+                                    .with_network(network)
+                                    .with_network_aliases("channel")
+                                    .with_kwargs(labels=labels)
+                                    .with_command(["python", "-m", "harness.nemesis",
+                                                   "--name", "control-channel",
+                                                   "--target", "controlplane:8080",
+                                                   "--listen", "0.0.0.0:8081",
+                                                   "--control", "0.0.0.0:8082"]),
+                                    (8082, channel_port))
             await asyncio.to_thread(start, DockerContainer(self.image)
                                              .with_network(network)
                                              .with_network_aliases("puppet")
@@ -329,7 +342,7 @@ class ContainersStack:
                 "COVEY_TICK_MS": str(self.tick_ms), "COVEY_LEASE_MS": str(self.lease_ms),
                 "COVEY_SANDBOX_BACKEND": "docker", "COVEY_SANDBOX_IMAGE": self.image,
                 "COVEY_DOCKER_NETWORK": str(network.name), "COVEY_GAMEDAY": gameday,
-                "COVEY_PUBLIC_WS_URL": "ws://controlplane:8080/api/daemon/ws",
+                "COVEY_PUBLIC_WS_URL": "ws://channel:8081/api/daemon/ws",
                 "COVEY_MODEL_URL": "http://puppet:9000/v1",
             }
             serve = (f"covey bootstrap --org gameday --admin-email {admin} "
@@ -355,11 +368,15 @@ class ContainersStack:
                                    + b"".join(logs).decode(errors="replace")[-3000:]) from None
             await wait_until_healthy(f"http://127.0.0.1:{puppet_port}/puppet", 30,
                                      path="/ledger")
-            yield Endpoints(url, admin, ADMIN_PASSWORD,
-                            RemotePuppet(f"http://127.0.0.1:{puppet_port}"),
-                            "http://puppet:9000/v1",
-                            {"covey": health.get("version", "?"), "image": self.image,
-                             "python": sys.version.split()[0]})
+            await wait_until_healthy(f"http://127.0.0.1:{channel_port}", 30, path="/faults")
+            async with Nemesis() as nemesis:
+                await nemesis.add_remote(RemoteFaultProxy(
+                    "control-channel", f"http://127.0.0.1:{channel_port}"))
+                yield Endpoints(url, admin, ADMIN_PASSWORD,
+                                RemotePuppet(f"http://127.0.0.1:{puppet_port}"),
+                                "http://puppet:9000/v1",
+                                {"covey": health.get("version", "?"), "image": self.image,
+                                 "python": sys.version.split()[0]}, nemesis)
         finally:
             await asyncio.to_thread(self._tear_down, containers, network, gameday, workdir)
 

@@ -2,7 +2,7 @@
 daemons must stop on their own within the lease (fail closed), and the work must survive:
 requeued, and done exactly once after the link heals and the fleet is resumed.
 
-    pytest scenarios/control_channel_cut.py --stack processes
+    pytest scenarios/control_channel_cut.py [--stack containers|processes]
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ async def test_control_channel_cut(gameday: GameDay, agents_per_game_day: int) -
 
         # The fault heals itself at its deadline; the agents come back on their own.
         async def healed() -> bool:
+            await day.endpoints.nemesis.refresh()
             return channel.active is None
         await eventually(healed, CUT_S + 5, "the cut never healed")
         # End the game day: behave, then stop and resume the fleet so every task ends once.

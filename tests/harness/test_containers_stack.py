@@ -62,7 +62,7 @@ def _of_game_day(client: Any, gameday: str) -> list[Any]:
 def test_an_interrupted_run_leaves_nothing_behind(docker_client: Any, tmp_path: Path) -> None:
     child = _bring_up(tmp_path)
     containers, networks = _owned_by(docker_client, child.pid)
-    assert len(containers) == 3 and len(networks) == 1  # postgres, puppet, control plane
+    assert len(containers) == 4 and len(networks) == 1  # postgres, puppet, proxy, plane
     gameday = containers[0].labels["covey.gameday"]
     child.send_signal(signal.SIGINT)  # Ctrl-C
     assert child.wait(timeout=120) != 0
