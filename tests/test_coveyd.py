@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
+from harness.nemesis import FaultProxy
 from harness.puppet import Puppet
 from tests.conftest import COVEYD
 from tests.support.plane import Plane, World, eventually, free_port, make_world, start_plane
-from tests.support.tcp_proxy import CuttableProxy
 
 
 @pytest.fixture
@@ -117,7 +117,7 @@ async def test_cutting_the_control_channel_stops_the_agent_within_the_lease(
         model: tuple[str, Puppet]) -> None:
     port = free_port()
     lease_s = 1.0
-    async with CuttableProxy("127.0.0.1", port) as proxy:
+    async with FaultProxy("127.0.0.1", port, name="control-channel", control_port=None) as proxy:
         async with start_plane(database_url, tmp_path, COVEYD, model_url=model[0],
                                lease_ms=int(lease_s * 1000), port=port,
                                public_ws_url=f"ws://127.0.0.1:{proxy.port}/api/daemon/ws"
@@ -128,7 +128,7 @@ async def test_cutting_the_control_channel_stops_the_agent_within_the_lease(
             async def busy() -> bool:
                 return len(model[1].actions(agent["id"])) >= 2
             await eventually(busy, 20, "the agent never got going")
-            proxy.cut()
+            await proxy.blackhole(60)  # longer than the test: it heals on exit
             cut_at = time.monotonic()
             handles = await world.db.fetch(
                 "SELECT handle FROM sandboxes WHERE agent_id=$1 AND state='running'",

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from harness.nemesis import FaultProxy
 from harness.puppet import Puppet
 from tests.support.plane import World, eventually, free_port, make_world, start_plane
-from tests.support.tcp_proxy import CuttableProxy
 
 pytestmark = pytest.mark.docker
 IMAGE = os.environ.get("COVEY_SANDBOX_IMAGE", "covey-gameday:latest")
@@ -85,7 +85,8 @@ async def test_cutting_the_channel_stops_a_containerised_agent_within_the_lease(
         docker_client: Any) -> None:
     port, lease_s = free_port(), 1.0
     gameday = f"test-{uuid.uuid4().hex[:8]}"
-    async with CuttableProxy("127.0.0.1", port) as proxy, start_plane(
+    channel = FaultProxy("127.0.0.1", port, name="control-channel", control_port=None)
+    async with channel as proxy, start_plane(
             database_url, tmp_path, ["coveyd"], model_url=model[0], lease_ms=1000, port=port,
             sandbox_backend="docker", sandbox_image=IMAGE, gameday=gameday,
             public_ws_url=f"ws://127.0.0.1:{proxy.port}/api/daemon/ws") as plane, \
@@ -96,7 +97,7 @@ async def test_cutting_the_channel_stops_a_containerised_agent_within_the_lease(
         async def busy() -> bool:
             return len(model[1].actions(agent["id"])) >= 2
         await eventually(busy, 60, "the agent never got going in its container")
-        proxy.cut()
+        await proxy.blackhole(60)  # longer than the test: it heals on exit
         cut_at = time.monotonic()
 
         def running() -> bool:
