@@ -110,12 +110,15 @@ class Daemon:
         if not self.exit_code.done():
             self.exit_code.set_result(code)
 
-    def kill(self, why: str) -> None:
+    def stop_work(self, why: str) -> None:
         """Stop at once: no safe boundary, no report. The run's tool calls die with it."""
         if self.work is not None:
             self.work.cancel()
         log.warning("kill switch: %s", why)
         log.warning("daemon terminates immediately")
+
+    def kill(self, why: str) -> None:
+        self.stop_work(why)
         self.finish(EXIT_KILLED)
 
     async def read(self) -> None:
@@ -127,7 +130,12 @@ class Daemon:
                 log.error("unreadable message from the control plane: %.200s", raw)
                 continue
             if kind == "kill":
-                self.kill(f"reason {payload.get('reason', '?')}")
+                self.stop_work(f"reason {payload.get('reason', '?')}")
+                # Confirmed once nothing more can start: the control plane answers the
+                # operator when the kill is in hand here.
+                with contextlib.suppress(websockets.ConnectionClosed, TimeoutError):
+                    await asyncio.wait_for(self.send("kill_ack", {}), 1.0)
+                self.finish(EXIT_KILLED)
                 return
             if kind == "sleep":
                 log.info("told to sleep%s", f" ({payload['reason']})" if "reason" in payload

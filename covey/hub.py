@@ -23,6 +23,8 @@ class DaemonLink:
     agent_id: UUID
     sink: MessageSink
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Set when the daemon confirms a kill (`kill_ack`) or its connection is gone.
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class DaemonHub:
@@ -32,15 +34,34 @@ class DaemonHub:
         self._links: dict[UUID, DaemonLink] = {}
         # Sessions this replica sent `kill` to, remembered past their disconnect: a daemon
         # that obeys at once is gone before the second path (local call or NOTIFY) asks.
-        self._killed: OrderedDict[UUID, None] = OrderedDict()
+        self._killed: OrderedDict[UUID, DaemonLink] = OrderedDict()
 
     def attach(self, link: DaemonLink) -> None:
         self._links[link.session_id] = link
         metrics.daemon_connections.set(len(self._links))
 
     def detach(self, session_id: UUID) -> None:
-        self._links.pop(session_id, None)
+        link = self._links.pop(session_id, None)
+        if link is not None:
+            link.stopped.set()
         metrics.daemon_connections.set(len(self._links))
+
+    def acknowledge_kill(self, session_id: UUID) -> None:
+        link = self._links.get(session_id)
+        if link is not None:
+            link.stopped.set()
+
+    async def wait_stopped(self, session_ids: list[UUID], timeout_s: float) -> list[UUID]:
+        """Wait, at most `timeout_s`, until the daemons this replica sent `kill` to have
+        confirmed it or hung up; returns those that did. A daemon that cannot answer (its
+        channel cut) is stopped by its lease instead, which is why the wait is bounded."""
+        links = [link for s in session_ids if (link := self._killed.get(s)) is not None]
+        waits = {link.session_id: asyncio.ensure_future(link.stopped.wait()) for link in links}
+        if waits:
+            _, pending = await asyncio.wait(waits.values(), timeout=timeout_s)
+            for task in pending:
+                task.cancel()
+        return [s for s, task in waits.items() if task.done() and not task.cancelled()]
 
     def session_ids(self) -> list[UUID]:
         return list(self._links)
@@ -62,7 +83,7 @@ class DaemonHub:
         link = self._links.get(session_id)
         if link is None:
             return False
-        self._killed[session_id] = None
+        self._killed[session_id] = link
         if len(self._killed) > self.KILLS_REMEMBERED:
             self._killed.popitem(last=False)
         return await send_to(link, "kill", {"reason": "kill-switch", "sent_at_ns": time.time_ns()})

@@ -93,6 +93,7 @@ class KillReport:
     already_killed: bool
     sessions_cancelled: list[UUID] = field(default_factory=list)
     kill_delivered: list[UUID] = field(default_factory=list)
+    kill_confirmed: list[UUID] = field(default_factory=list)
     tasks_requeued: list[UUID] = field(default_factory=list)
     agents: list[UUID] = field(default_factory=list)
     evicted_sandboxes: list[UUID] = field(default_factory=list)
@@ -698,6 +699,11 @@ class Orchestrator:
             self.runner.tear_down([s["sandbox_id"] for s in live],
                                   {s["sandbox_id"] for s in live
                                    if s["id"] in report.kill_delivered})
+        # The answer waits until the daemons have the kill in hand: a game day once saw a
+        # model call leave a sandbox after the acknowledgement, the kill still on its way
+        # through a proxy. Bounded: a daemon that cannot answer is stopped by its lease.
+        report.kill_confirmed = await self.hub.wait_stopped(
+            report.kill_delivered, min(self.settings.lease_ms / 1000, 2.0))
 
     async def deliver_kills(self, session_ids: list[UUID]) -> None:
         """A kill announced by another replica (or by ourselves: sent at most once)."""

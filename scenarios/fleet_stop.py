@@ -67,6 +67,8 @@ async def test_fleet_stop(gameday: GameDay, agents_per_game_day: int) -> None:
         await eventually(all_gone, 60, "a sandbox kept running after the fleet stop")
         cancelled = set(report["sessions_cancelled"])
         assert cancelled, "the fleet stop found no session to stop"
+        # Every daemon had the kill in hand before the switch answered.
+        assert set(report["sessions_confirmed"]) == cancelled
         killed_boxes = {s["sandbox_id"] for a in agents
                         for s in json_of(await day.people["auditor"].sessions(a["id"]))
                         if s["id"] in cancelled}

@@ -66,6 +66,8 @@ async def test_a_kill_ends_the_daemon_with_code_3(
     r = await cworld.security.post(f"/api/v1/agents/{agent['id']}/kill")
     acknowledged_ns = time.time_ns()
     assert r.status_code == 200
+    # The answer came once the daemon had confirmed the kill.
+    assert r.json()["sessions_confirmed"] == r.json()["sessions_cancelled"] != []
     sandbox = await _sandbox(cworld, agent["id"])
     assert sandbox["exit_code"] == 3
     log = _daemon_log(cworld.plane, sandbox["id"])

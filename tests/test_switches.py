@@ -81,7 +81,8 @@ async def test_agent_kill_is_idempotent(world: World) -> None:
     again = await world.org_admin.post(f"/api/v1/agents/{agent['id']}/kill")
     assert again.status_code == 200
     assert again.json() == {"already_killed": True, "agents_stopped": [agent["id"]],
-                            "sessions_cancelled": [], "tasks_requeued": [],
+                            "sessions_cancelled": [], "sessions_confirmed": [],
+                            "tasks_requeued": [],
                             "evicted_sandboxes": []}
     assert await world.snapshot() == before
 

@@ -71,6 +71,7 @@ def kill_out(report: KillReport) -> KillOut:
         already_killed=report.already_killed,
         agents_stopped=report.agents,
         sessions_cancelled=report.sessions_cancelled,
+        sessions_confirmed=report.kill_confirmed,
         tasks_requeued=report.tasks_requeued,
         evicted_sandboxes=report.evicted_sandboxes,
     )

@@ -184,6 +184,9 @@ async def _handle(orch: Orchestrator, link: DaemonLink, kind: str, payload: dict
                   ) -> None:
     if kind == "heartbeat":
         return
+    if kind == "kill_ack":
+        orch.hub.acknowledge_kill(link.session_id)
+        return
     if kind == "event":
         await orch.pool.execute(
             "INSERT INTO recording_events (agent_id, session_id, kind, status, detail)"
@@ -236,4 +239,4 @@ async def _handle(orch: Orchestrator, link: DaemonLink, kind: str, payload: dict
         await _assign_next(orch, link)
         return
     raise ProtocolError(f"Unknown message type {kind!r}",
-                        "types: heartbeat, event, cost, task_done, blocked")
+                        "types: heartbeat, event, cost, task_done, blocked, kill_ack")

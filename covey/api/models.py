@@ -175,6 +175,8 @@ class KillOut(BaseModel):
     already_killed: bool
     agents_stopped: list[UUID]
     sessions_cancelled: list[UUID]
+    sessions_confirmed: list[UUID] = Field(
+        description="Sessions whose daemon confirmed the kill (or hung up) before this answer")
     tasks_requeued: list[UUID]
     evicted_sandboxes: list[UUID]
 
