@@ -93,10 +93,10 @@ async def test_unknown_ids_routes_and_credentials(world: World) -> None:
     assert await world.snapshot() == before
 
 
-async def _daemon_answer(world: World, token: str | None, ready: dict[str, Any] | str
-                         ) -> tuple[dict[str, Any], int | None]:
+async def _daemon_answer(world: World, token: str | None, ready: dict[str, Any] | str,
+                         query: str = "") -> tuple[dict[str, Any], int | None]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    async with websockets.connect(world.plane.ws_url, additional_headers=headers) as ws:
+    async with websockets.connect(world.plane.ws_url + query, additional_headers=headers) as ws:
         try:
             await ws.send(ready if isinstance(ready, str) else json.dumps(ready))
         except websockets.ConnectionClosed:
@@ -133,6 +133,9 @@ async def test_daemon_tokens_replayed_expired_foreign(world: World) -> None:
     before = await world.snapshot()
 
     answer, code = await _daemon_answer(world, None, ready)
+    assert (answer["payload"]["error"], code) == ("No daemon token", 4401)
+    # Not in the URL either, where access logs would keep it.
+    answer, code = await _daemon_answer(world, None, ready, query=f"?token={token}")
     assert (answer["payload"]["error"], code) == ("No daemon token", 4401)
     answer, code = await _daemon_answer(world, "cvd_unknown", ready)
     assert (answer["payload"]["error"], code) == ("Unknown daemon token", 4401)

@@ -60,10 +60,12 @@ async def _reject(ws: WebSocket, code: int, error: str, hint: str) -> None:
 
 
 def _token(ws: WebSocket) -> str | None:
+    """The daemon token, from the Authorization header only: a token in the URL would end up
+    in access logs and proxies' logs."""
     header = ws.headers.get("authorization", "")
     if header.lower().startswith("bearer "):
         return header[7:].strip()
-    return ws.query_params.get("token")
+    return None
 
 
 async def _consume_token(orch: Orchestrator, token: str, agent_id: UUID, sandbox_id: UUID
