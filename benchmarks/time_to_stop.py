@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import sys
 import tempfile
 import threading
@@ -44,6 +43,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from benchmarks import kill_latency
 from harness.checkers import Verdict
 from harness.client import json_of
 from harness.gameday import OBSERVER, GameDay
@@ -538,15 +538,8 @@ async def blunt_instruments(day: GameDay, client: Any, result: FleetStop,
 
 
 def machine() -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    mem_kib = next((int(line.split()[1]) for line in
-                    Path("/proc/meminfo").read_text().splitlines()
-                    if line.startswith("MemTotal:")), 0)
-    found = {"nproc": os.cpu_count(), "memory_gib": round(mem_kib / 2**20, 1), "cpu": cpu,
-             "python": platform.python_version(), "kernel": platform.release(),
-             "loadavg_at_start": load_average()}
+    """The kill-latency benchmark's description of the host, and the Docker engine's version."""
+    found = kill_latency.machine()
     with contextlib.suppress(Exception):
         import docker
 
@@ -556,10 +549,6 @@ def machine() -> dict[str, Any]:
         finally:
             client.close()
     return found
-
-
-def load_average() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def plan(options: argparse.Namespace) -> Iterator[tuple[str, int]]:
@@ -590,10 +579,10 @@ async def run(options: argparse.Namespace, command: str) -> Report:
     for name, n in plan(options):
         stack: Stack = (ProcessesStack(options.report_dir) if name == "processes"
                         else ContainersStack(options.report_dir, image=options.image))
-        print(f"{name}, {n} agents (load {load_average()})", flush=True)
+        print(f"{name}, {n} agents (load {kill_latency.load_average()})", flush=True)
         report.runs.append(await fleet_stop(stack, n, options.seed, options.report_dir,
                                             options))
-    report.machine["loadavg_at_end"] = load_average()
+    report.machine["loadavg_at_end"] = kill_latency.load_average()
     report.ended_at = datetime.now(UTC).isoformat(timespec="seconds")
     return report
 

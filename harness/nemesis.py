@@ -238,7 +238,28 @@ class _ControlServer(uvicorn.Server):
         yield
 
 
-class FaultProxy:
+class _ProxyFaults:
+    """The four proxy faults by name, for a proxy here (`FaultProxy`) or elsewhere
+    (`RemoteFaultProxy`): each is `inject` with its kind."""
+
+    async def inject(self, kind: ProxyFaultKind, deadline_s: float,
+                     ms: int | None = None) -> FaultRecord:
+        raise NotImplementedError
+
+    async def latency(self, ms: int, deadline_s: float) -> FaultRecord:
+        return await self.inject("latency", deadline_s, ms)
+
+    async def blackhole(self, deadline_s: float) -> FaultRecord:
+        return await self.inject("blackhole", deadline_s)
+
+    async def reset(self, deadline_s: float) -> FaultRecord:
+        return await self.inject("reset", deadline_s)
+
+    async def down(self, deadline_s: float) -> FaultRecord:
+        return await self.inject("down", deadline_s)
+
+
+class FaultProxy(_ProxyFaults):
     """A TCP proxy from `listen_host:port` to `target`, with one fault at a time.
 
     Use as `async with FaultProxy(...) as proxy`; leaving heals the standing fault and closes
@@ -337,18 +358,6 @@ class FaultProxy:
     def fault_log(self) -> list[FaultRecord]:
         """Every fault this proxy held, oldest first, as copies."""
         return [dataclasses.replace(r) for r in self._log]
-
-    async def latency(self, ms: int, deadline_s: float) -> FaultRecord:
-        return await self.inject("latency", deadline_s, ms)
-
-    async def blackhole(self, deadline_s: float) -> FaultRecord:
-        return await self.inject("blackhole", deadline_s)
-
-    async def reset(self, deadline_s: float) -> FaultRecord:
-        return await self.inject("reset", deadline_s)
-
-    async def down(self, deadline_s: float) -> FaultRecord:
-        return await self.inject("down", deadline_s)
 
     async def inject(self, kind: ProxyFaultKind, deadline_s: float,
                      ms: int | None = None) -> FaultRecord:
@@ -691,7 +700,7 @@ class HealReport:
                 "faults": [r.to_json() for r in self.faults]}
 
 
-class RemoteFaultProxy:
+class RemoteFaultProxy(_ProxyFaults):
     """A fault proxy run on its own (`python -m harness.nemesis`), in a container on a game
     day's network for instance, steered over its HTTP control API. Its log lives there:
     `refresh()` reads it, and `fault_log()`/`active` answer from the last read."""
@@ -733,18 +742,6 @@ class RemoteFaultProxy:
             raise BadFault(f"the proxy refused the fault: {r.status_code}", r.text[:300])
         await self.refresh()
         return _record(r.json())
-
-    async def latency(self, ms: int, deadline_s: float) -> FaultRecord:
-        return await self.inject("latency", deadline_s, ms)
-
-    async def blackhole(self, deadline_s: float) -> FaultRecord:
-        return await self.inject("blackhole", deadline_s)
-
-    async def reset(self, deadline_s: float) -> FaultRecord:
-        return await self.inject("reset", deadline_s)
-
-    async def down(self, deadline_s: float) -> FaultRecord:
-        return await self.inject("down", deadline_s)
 
     async def heal(self) -> FaultRecord | None:
         import httpx
