@@ -24,7 +24,8 @@ from covey import __version__, errors
 from covey.api import agents, auth, daemon, fleet, notifications, trigger
 from covey.api.deps import AnyRole
 from covey.config import Settings
-from covey.db import create_pool, embedded_database_url, migrate
+from covey.db import create_pool, migrate
+from covey.embedded_postgres import EmbeddedPostgres, attach, release
 from covey.hub import DaemonHub
 from covey.orchestrator import Orchestrator
 from covey.sandbox import DockerProvider, ProcessProvider, Runner, SandboxProvider
@@ -182,9 +183,24 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The embedded Postgres outlives everything that uses it, and a failed start-up
+        # leaves it as a finished run does.
         url = settings.database_url
+        postgres: EmbeddedPostgres | None = None
         if url is None:
-            url = await asyncio.to_thread(embedded_database_url, settings.data_dir)
+            postgres = await asyncio.to_thread(attach, settings.data_dir)
+            url = postgres.url
+        else:
+            log.info("database from DATABASE_URL: covey neither starts nor stops it")
+        try:
+            async with control_plane(app, url):
+                yield
+        finally:
+            if postgres is not None:
+                await asyncio.to_thread(release, postgres)
+
+    @asynccontextmanager
+    async def control_plane(app: FastAPI, url: str) -> AsyncIterator[None]:
         await migrate(url)
         pool = await create_pool(url)
         node = f"{socket.gethostname()}:{port}:{uuid.uuid4().hex[:6]}"

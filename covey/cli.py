@@ -4,18 +4,38 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
 
 import asyncpg
+import structlog
 
 from covey.config import ConfigError, Settings
 
+log = structlog.get_logger(__name__)
 
-def _database_url(settings: Settings) -> str:
-    from covey.db import embedded_database_url
 
-    return settings.database_url or embedded_database_url(settings.data_dir)
+@contextmanager
+def _database_url(settings: Settings) -> Iterator[str]:
+    """The given DATABASE_URL, untouched; else the embedded Postgres, for this command's
+    length (`covey serve` holds it in the app's lifespan instead)."""
+    if settings.database_url:
+        log.info("database from DATABASE_URL: covey neither starts nor stops it")
+        yield settings.database_url
+        return
+    from covey.embedded_postgres import embedded_postgres
+
+    with embedded_postgres(settings.data_dir) as postgres:
+        yield postgres.url
+
+
+def _exit_on_signal(signum: int, _frame: FrameType | None) -> None:
+    # A service manager's SIGTERM (or a closed terminal's SIGHUP) unwinds like Ctrl-C
+    # does, so that the embedded Postgres is released on the way out.
+    raise SystemExit(128 + signum)
 
 
 async def _bootstrap(url: str, args: argparse.Namespace) -> str:
@@ -66,13 +86,13 @@ def main(argv: list[str] | None = None) -> None:
     boot.add_argument("--platform-admin-password")
     args = parser.parse_args(argv)
 
-    from covey.logs import configure
-
-    configure(os.environ.get("COVEY_LOG_LEVEL", "INFO"))
     try:
         settings = Settings.from_env()
     except ConfigError as exc:
         sys.exit(f"covey: {exc}")
+    from covey.logs import configure
+
+    configure(settings.log_level)
 
     if args.command == "serve":
         import uvicorn
@@ -85,13 +105,21 @@ def main(argv: list[str] | None = None) -> None:
                     # Longer than a client's idle gaps: fewer kept-alive connections closed
                     # just as the client reuses them.
                     timeout_keep_alive=30)
-    elif args.command == "migrate":
-        from covey.db import migrate
+        return
+    if args.command == "bootstrap" and args.platform_admin_email \
+            and not args.platform_admin_password:
+        sys.exit("covey: --platform-admin-password is required with --platform-admin-email")
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _exit_on_signal)
+    try:
+        with _database_url(settings) as url:
+            if args.command == "migrate":
+                from covey.db import migrate
 
-        applied = asyncio.run(migrate(_database_url(settings)))
-        print(f"applied {len(applied)} migration(s)" + (f": {', '.join(applied)}" if applied
-                                                        else ""))
-    elif args.command == "bootstrap":
-        if args.platform_admin_email and not args.platform_admin_password:
-            sys.exit("covey: --platform-admin-password is required with --platform-admin-email")
-        print(asyncio.run(_bootstrap(_database_url(settings), args)))
+                applied = asyncio.run(migrate(url))
+                print(f"applied {len(applied)} migration(s)"
+                      + (f": {', '.join(applied)}" if applied else ""))
+            else:
+                print(asyncio.run(_bootstrap(url, args)))
+    except KeyboardInterrupt:
+        sys.exit(128 + signal.SIGINT)

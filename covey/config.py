@@ -8,6 +8,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
 
 class ConfigError(ValueError):
     """A setting that cannot be used; the message names the variable and a valid value."""
@@ -50,6 +52,7 @@ class Settings:
     gameday: str = ""
     warm_sync_s: int = 300
     warm_idle_s: int = 900
+    log_level: str = "INFO"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -66,6 +69,10 @@ class Settings:
             command = shlex.split(raw)
         if not command:
             raise ConfigError("COVEY_DAEMON_COMMAND is empty: give the daemon's command line")
+        log_level = (env.get("COVEY_LOG_LEVEL") or "INFO").upper()
+        if log_level not in LOG_LEVELS:
+            raise ConfigError(f"COVEY_LOG_LEVEL={env['COVEY_LOG_LEVEL']!r}: use one of "
+                              f"{', '.join(level.lower() for level in LOG_LEVELS)}")
         return cls(
             database_url=env.get("DATABASE_URL") or None,
             data_dir=Path(env.get("COVEY_DATA_DIR", ".covey")).absolute(),
@@ -85,4 +92,5 @@ class Settings:
             gameday=env.get("COVEY_GAMEDAY", ""),
             warm_sync_s=_int_env(env, "COVEY_WARM_SYNC_S", 300, 1),
             warm_idle_s=_int_env(env, "COVEY_WARM_IDLE_S", 900, 1),
+            log_level=log_level,
         )

@@ -302,7 +302,9 @@ async def run(env: Env) -> int:
 
 
 def main() -> None:
-    logging.basicConfig(stream=sys.stderr, level=os.environ.get("COVEY_LOG_LEVEL", "INFO"),
+    # Upper case: logging knows "DEBUG", not the "debug" users write.
+    level = (os.environ.get("COVEY_LOG_LEVEL") or "INFO").upper()
+    logging.basicConfig(stream=sys.stderr, level=level,
                         format="%(asctime)s coveyd %(levelname)s %(message)s")
     try:
         env = Env.load()

@@ -1,4 +1,4 @@
-"""Postgres: the embedded server when no DATABASE_URL is given, the pool, and migrations."""
+"""Postgres: the pool and migrations (the embedded server is covey.embedded_postgres)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib import resources
-from pathlib import Path
 from typing import Any, TypeAlias
 
 import asyncpg
@@ -18,20 +17,6 @@ log = structlog.get_logger(__name__)
 Pool = asyncpg.Pool
 # A pooled connection is a proxy; functions that run SQL take either.
 Connection: TypeAlias = "asyncpg.Connection[asyncpg.Record] | PoolConnectionProxy[asyncpg.Record]"
-
-
-def embedded_database_url(data_dir: Path) -> str:
-    """Start (or reuse) the embedded Postgres under data_dir and return its URL.
-
-    pgserver keeps one server per data directory and shares it between processes, so a
-    second replica or `covey migrate` beside `covey serve` reaches the same database.
-    """
-    import pgserver  # type: ignore[attr-defined,unused-ignore]
-
-    pgdata = data_dir / "pgdata"
-    pgdata.mkdir(parents=True, exist_ok=True)
-    server = pgserver.get_server(pgdata, cleanup_mode=None)  # type: ignore[attr-defined]
-    return str(server.get_uri())
 
 
 async def _init_connection(conn: Connection) -> None:

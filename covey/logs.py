@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 
 import structlog
 
+# Libraries that tell their own start-up story at INFO (pgserver: every initdb and pg_ctl
+# line with its full output); at INFO the log is the control plane's. COVEY_LOG_LEVEL=debug
+# brings them back.
+CHATTY_LIBRARIES = ("pgserver",)
+
 
 def configure(level: str = "INFO") -> None:
+    level = level.upper()
     logging.basicConfig(stream=sys.stderr, level=level, format="%(message)s")
+    debug = level == "DEBUG"
+    for name in CHATTY_LIBRARIES:
+        logging.getLogger(name).setLevel(logging.DEBUG if debug else logging.WARNING)
+    if not debug:
+        # platformdirs (under pgserver) warns on every start where no login session set
+        # XDG_RUNTIME_DIR (services, containers, CI) and falls back to a folder of its own.
+        warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
