@@ -186,7 +186,11 @@ def _postmaster(pgdata: Path) -> tuple[int, str] | None:
         lines = pid_file.read_text().splitlines()
     except FileNotFoundError:
         return None
-    pid = int(lines[0]) if lines and lines[0].strip().isdigit() else None
+    try:
+        # Negative: a standalone backend's (initdb's bootstrap, `postgres --single`).
+        pid: int | None = abs(int(lines[0]))
+    except (IndexError, ValueError):
+        pid = None
     if pid is not None and _is_postgres_of(pid, pgdata):
         return pid, lines[7].strip() if len(lines) > 7 else "starting"
     log.warning("removed a stale postmaster.pid: its server is gone", pgdata=str(pgdata),
