@@ -282,7 +282,7 @@ class ContainersStack:
         os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
         from testcontainers.core.container import DockerContainer
         from testcontainers.core.network import Network
-        from testcontainers.core.waiting_utils import wait_for_logs
+        from testcontainers.core.wait_strategies import LogMessageWaitStrategy
 
         await asyncio.to_thread(reap_stale_game_days)
         gameday = uuid.uuid4().hex[:10]
@@ -307,13 +307,14 @@ class ContainersStack:
 
         try:
             await asyncio.to_thread(network.create)
-            postgres = await asyncio.to_thread(start, DockerContainer(self.image)
+            await asyncio.to_thread(start, DockerContainer(self.image)
                                                .with_network(network)
                                                .with_network_aliases("postgres")
                                                .with_kwargs(labels=labels)
-                                               .with_command(["sh", "-c", POSTGRES_SCRIPT]))
-            await asyncio.to_thread(wait_for_logs, postgres,
-                                    "database system is ready to accept connections", 60)
+                                               .with_command(["sh", "-c", POSTGRES_SCRIPT])
+                                               .waiting_for(LogMessageWaitStrategy(
+                                                   "database system is ready to accept "
+                                                   "connections").with_startup_timeout(60)))
             puppet_port, plane_port, channel_port = free_port(), free_port(), free_port()
             # The nemesis's proxy on the daemons' control channel, a container of its own on
             # the game day's network; it heals on its own deadlines even if we die.
