@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -167,6 +168,32 @@ async def test_bootstrap_stops_the_postgres_it_started_also_when_it_fails(
     assert code != 0, "bootstrap with the wrong password for an existing admin succeeded"
     await none_left(folder.pgdata, "after a failed covey bootstrap")
     assert "embedded postgres stopped" in events(log, only_covey=False)
+
+
+async def test_two_commands_starting_at_once_start_one_server_and_stop_it(
+        folder: Folder) -> None:
+    (code_a, _, log_a), (code_b, _, log_b) = await asyncio.gather(
+        folder.run("migrate"), folder.run("migrate"))
+    assert code_a == code_b == 0, f"{log_a.read_text()[-2000:]}\n{log_b.read_text()[-2000:]}"
+    said = events(log_a) + events(log_b)
+    assert said.count("embedded postgres started") == 1, said
+    await none_left(folder.pgdata, "after two covey migrate at once")
+
+
+async def test_serve_that_cannot_listen_stops_the_postgres_it_started(folder: Folder) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        log = folder.logs / "serve-taken-port.log"
+        with log.open("wb") as err:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "covey", "serve", "--port", str(port),
+                env=folder.env(), stdout=err, stderr=err, start_new_session=True)
+        code = await asyncio.wait_for(process.wait(), 90)
+    assert code != 0, "covey serve on a port in use did not fail"
+    assert "embedded postgres started" in events(log, only_covey=False), log.read_text()
+    await none_left(folder.pgdata, "after covey serve failed to listen")
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
