@@ -16,6 +16,7 @@ user, and stops the server.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import signal
@@ -178,25 +179,35 @@ def _postmaster(pgdata: Path) -> tuple[int, str] | None:
     """(pid, status) of the server running on pgdata, from its postmaster.pid, or None.
 
     A postmaster.pid whose pid is not a postgres of this directory is stale (a server killed
-    outright, its pid since reused): Postgres would refuse to start beside it and pgserver
-    would hand out the address of a dead server, so it is removed. Call inside a transition.
+    outright, its pid since reused): Postgres would refuse to start beside it, or beside the
+    socket's lock file of the same server, and pgserver would hand out the address of a dead
+    server; so both are removed. Call inside a transition.
     """
     pid_file = pgdata / "postmaster.pid"
     try:
         lines = pid_file.read_text().splitlines()
     except FileNotFoundError:
         return None
-    try:
-        # Negative: a standalone backend's (initdb's bootstrap, `postgres --single`).
-        pid: int | None = abs(int(lines[0]))
-    except (IndexError, ValueError):
-        pid = None
+    pid = _lock_file_pid(lines)
     if pid is not None and _is_postgres_of(pid, pgdata):
         return pid, lines[7].strip() if len(lines) > 7 else "starting"
     log.warning("removed a stale postmaster.pid: its server is gone", pgdata=str(pgdata),
                 pid=pid)
+    if len(lines) > 4 and lines[3].strip().isdigit() and lines[4].strip():
+        socket_lock = Path(lines[4].strip()) / f".s.PGSQL.{lines[3].strip()}.lock"
+        with contextlib.suppress(OSError):
+            if _lock_file_pid(socket_lock.read_text().splitlines()) == pid:
+                socket_lock.unlink()
     pid_file.unlink(missing_ok=True)
     return None
+
+
+def _lock_file_pid(lines: list[str]) -> int | None:
+    try:
+        # Negative: a standalone backend's (initdb's bootstrap, `postgres --single`).
+        return abs(int(lines[0]))
+    except (IndexError, ValueError):
+        return None
 
 
 def _is_postgres_of(pid: int, pgdata: Path) -> bool:

@@ -22,6 +22,7 @@ import httpx
 import psutil
 import pytest
 
+from covey.config import ConfigError, Settings
 from tests.support.plane import eventually, free_port
 
 pytestmark = pytest.mark.slow
@@ -243,6 +244,51 @@ async def test_serve_after_a_sigkill_reuses_and_stops_the_postgres_left_behind(
         await serve.stop(signal.SIGTERM)
     await none_left(folder.pgdata, "after the control plane that reused the server stopped")
     assert "embedded postgres stopped" in events(serve.log)
+
+
+async def test_a_server_killed_outright_does_not_block_the_next_start(folder: Folder) -> None:
+    async with folder.serve() as killed:
+        pids = [p.pid for p in postgres_of(folder.pgdata)]
+        for process in postgres_of(folder.pgdata):
+            process.kill()
+        await killed.stop(signal.SIGKILL)
+
+    async def reaped() -> bool:  # not even a zombie: Postgres would count that as alive
+        return not any(psutil.pid_exists(pid) for pid in pids)
+    await eventually(reaped, 30, "the killed Postgres processes never went away")
+    lines = (folder.pgdata / "postmaster.pid").read_text().splitlines()
+    socket_lock = Path(lines[4]) / f".s.PGSQL.{lines[3]}.lock"
+    assert socket_lock.exists(), "a server killed outright left no socket lock (nothing to test)"
+    # Its pid taken since by another live process of the server's user, as after a reboot:
+    # Postgres refuses to start beside lock files naming a live pid it may signal.
+    owner = folder.pgdata.stat().st_uid
+    stranger = await asyncio.create_subprocess_exec(
+        "sleep", "300", user=owner if os.geteuid() == 0 else None)
+    try:
+        for lock in (folder.pgdata / "postmaster.pid", socket_lock):
+            rest = lock.read_text().splitlines()[1:]
+            lock.write_text("\n".join([str(stranger.pid), *rest]) + "\n")
+        code, _, log = await folder.run("bootstrap", *ADMIN)
+    finally:
+        stranger.kill()
+        await stranger.wait()
+    assert code == 0, f"bootstrap beside a stale postmaster.pid failed:\n{log.read_text()}"
+    assert "removed a stale postmaster.pid: its server is gone" in events(log)
+    await none_left(folder.pgdata, "after the bootstrap that replaced a stale server")
+
+
+def test_log_level_is_read_in_any_case_and_a_wrong_one_is_named() -> None:
+    assert Settings.from_env({"COVEY_LOG_LEVEL": "debug"}).log_level == "DEBUG"
+    assert Settings.from_env({}).log_level == "INFO"
+    with pytest.raises(ConfigError, match="COVEY_LOG_LEVEL='loud': use one of debug, info"):
+        Settings.from_env({"COVEY_LOG_LEVEL": "loud"})
+
+
+async def test_debug_brings_back_the_embedded_postgres_own_lines(folder: Folder) -> None:
+    code, _, log = await folder.run("migrate", COVEY_LOG_LEVEL="debug")
+    assert code == 0, log.read_text()[-3000:]
+    assert "Running commandline" in log.read_text(), "pgserver's lines are missing at debug"
+    await none_left(folder.pgdata, "after covey migrate at debug")
 
 
 async def test_a_given_database_url_is_never_started_or_stopped(
