@@ -163,12 +163,15 @@ def _stop(pgdata: Path) -> bool:
         process = psutil.Process(found[0])
         for signum, grace_s in SHUTDOWN_STEPS:
             process.send_signal(signum)
-            try:
-                process.wait(grace_s)
-                return True
-            except psutil.TimeoutExpired:
-                log.warning("embedded postgres did not stop; trying harder",
-                            pgdata=str(pgdata), pid=process.pid, after_s=grace_s)
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline:
+                # Exited is enough: the server is not our child, and whoever reaps it (init)
+                # may take a second or more to do so.
+                if process.status() == psutil.STATUS_ZOMBIE:
+                    return True
+                time.sleep(0.02)
+            log.warning("embedded postgres did not stop; trying harder", pgdata=str(pgdata),
+                        pid=process.pid, after_s=grace_s)
     except psutil.NoSuchProcess:
         return True
     raise RuntimeError(f"the embedded Postgres of {pgdata} (pid {process.pid}) survived "
