@@ -106,9 +106,9 @@ def release(postgres: EmbeddedPostgres) -> Leaving:
             return "in use"
         del _uses[postgres.pgdata]
         with _signals_held(), _transition(postgres.data_dir):
-            outcome = _leave(use.users_fd, postgres.pgdata)
+            outcome, stopped = _leave(use.users_fd, postgres.pgdata)
     if outcome == "stopped":
-        log.info("embedded postgres stopped", pgdata=str(postgres.pgdata), pid=postgres.pid)
+        log.info("embedded postgres stopped", pgdata=str(postgres.pgdata), pid=stopped)
     elif outcome == "in use":
         log.info("embedded postgres left running: other covey processes use it",
                  pgdata=str(postgres.pgdata), pid=postgres.pid)
@@ -143,22 +143,25 @@ def _start_or_reuse(data_dir: Path, pgdata: Path) -> EmbeddedPostgres:
                             started=running is None)
 
 
-def _leave(users_fd: int, pgdata: Path) -> Leaving:
-    """Drop this process's hold (inside a transition); stop the server if it was the last."""
+def _leave(users_fd: int, pgdata: Path) -> tuple[Leaving, int | None]:
+    """Drop this process's hold (inside a transition); stop the server if it was the last.
+    Returns the outcome and the pid of the server it stopped."""
     try:
         try:
             fcntl.flock(users_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return "in use"
-        return "stopped" if _stop(pgdata) else "gone"
+            return "in use", None
+        stopped = _stop(pgdata)
+        return ("gone", None) if stopped is None else ("stopped", stopped)
     finally:
         os.close(users_fd)
 
 
-def _stop(pgdata: Path) -> bool:
+def _stop(pgdata: Path) -> int | None:
+    """Stop the server running on pgdata; its pid, or None if none ran."""
     found = _postmaster(pgdata)
     if found is None:
-        return False
+        return None
     try:
         process = psutil.Process(found[0])
         for signum, grace_s in SHUTDOWN_STEPS:
@@ -168,12 +171,12 @@ def _stop(pgdata: Path) -> bool:
                 # Exited is enough: the server is not our child, and whoever reaps it (init)
                 # may take a second or more to do so.
                 if process.status() == psutil.STATUS_ZOMBIE:
-                    return True
+                    return found[0]
                 time.sleep(0.02)
             log.warning("embedded postgres did not stop; trying harder", pgdata=str(pgdata),
                         pid=process.pid, after_s=grace_s)
     except psutil.NoSuchProcess:
-        return True
+        return found[0]
     raise RuntimeError(f"the embedded Postgres of {pgdata} (pid {process.pid}) survived "
                        "SIGKILL")
 
