@@ -23,6 +23,7 @@ from harness.client import CoveyClient, json_of
 from harness.history import History
 from harness.measure import TimeToStop, summarize, time_to_stop
 from harness.stack import Endpoints
+from harness.verdicts import broken_rules
 
 ROLES = ("agent_owner", "security", "auditor", "controlling")
 GAME_DAY_MAX_TURNS = 10_000
@@ -47,11 +48,11 @@ class Outcome:
     journal: Path | None = None
 
 
-def assert_valid(verdicts: list[Verdict]) -> None:
-    """Fail with every failed verdict, each naming the events that prove it."""
-    failed = [v for v in verdicts if v.valid is False]
-    assert not failed, "\n".join(f"{v.checker}: {v.message} (events {v.evidence})"
-                                 for v in failed)
+def assert_valid(verdicts: list[Verdict], required: frozenset[str] = frozenset()) -> None:
+    """Fail with every failed verdict, and every `unknown` one of a checker in `required`,
+    each naming the events that prove it."""
+    broken = broken_rules(verdicts, required)
+    assert not broken, "\n".join(broken)
 
 
 @dataclass
@@ -66,6 +67,10 @@ class GameDay:
     agents: dict[str, dict[str, Any]] = field(default_factory=dict)
     steady_state: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # The checkers this game day must be able to decide (its `decides` marker), and the
+    # verdicts of its last judgement: what a failure report leads with.
+    required: frozenset[str] = frozenset()
+    verdicts: list[Verdict] = field(default_factory=list)
     started_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
     fake: Faker = field(init=False)
 
@@ -234,16 +239,21 @@ class GameDay:
         await self.copy_ledger()
         await self.copy_sandboxes_and_sessions()
         final = await self.final_state()
-        return check_all(self.history, final), time_to_stop(self.history, final), final
+        self.verdicts = check_all(self.history, final)
+        return self.verdicts, time_to_stop(self.history, final), final
 
     @asynccontextmanager
     async def journaled(self) -> AsyncIterator[Outcome]:
         """Run a scenario's body; whatever happens, judge (if the body did not) and write the
-        journal: `completed`, `failed` on a failed assertion, `aborted` on anything else."""
+        journal: `completed`, `failed` on a failed assertion or verdict (an `unknown` of a
+        required checker included), `aborted` on anything else."""
         outcome = Outcome()
         status = "aborted"
         try:
             yield outcome
+            if outcome.final is None:
+                await self.judged(outcome)
+            assert_valid(outcome.verdicts, self.required)
             status = "completed"
         except AssertionError:
             status = "failed"
