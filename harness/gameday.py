@@ -18,7 +18,14 @@ from typing import Any, Literal
 import httpx
 from faker import Faker
 
-from harness.checkers import FinalAgent, FinalState, FinalTask, Verdict, check_all
+from harness.checkers import (
+    KILL_DELIVERY_F,
+    FinalAgent,
+    FinalState,
+    FinalTask,
+    Verdict,
+    check_all,
+)
 from harness.client import CoveyClient, json_of
 from harness.history import History
 from harness.measure import TimeToStop, summarize, time_to_stop
@@ -35,6 +42,18 @@ def _ns(timestamp: str | None) -> int | None:
     if timestamp is None:
         return None
     return int(datetime.fromisoformat(timestamp).timestamp() * 1_000_000_000)
+
+
+def kill_delivery(agent_id: str, session: dict[str, Any]) -> dict[str, Any] | None:
+    """A session's kill message and how it was confirmed, as a `kill_delivery` value; None
+    when no kill was sent to its daemon (or the control plane does not say)."""
+    sent = _ns(session.get("kill_sent_at"))
+    if sent is None:
+        return None
+    return {"agent_id": agent_id, "session_id": session["id"], "sent_ns": sent,
+            "confirmed_ns": _ns(session.get("kill_confirmed_at")),
+            "confirmed_by": session.get("kill_confirmed_by"),
+            "daemon_stop": session.get("daemon_stop")}
 
 
 @dataclass
@@ -176,6 +195,10 @@ class GameDay:
                     self.history.observe(OBSERVER, "session_start",
                                          {"agent_id": agent_id, "session_id": s["id"],
                                           "outcome": "started"}, time_ns=started)
+                delivery = kill_delivery(agent_id, s)
+                if delivery is not None:
+                    self.history.observe(OBSERVER, KILL_DELIVERY_F, delivery,
+                                         time_ns=delivery["sent_ns"])
 
     async def final_state(self) -> FinalState:
         tasks: dict[str, FinalTask] = {}
