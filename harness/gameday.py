@@ -164,6 +164,28 @@ class GameDay:
                     "task_id": t["id"], "state": t["state"], "agent_id": agent_id})
         return tasks
 
+    async def why_work_cannot_finish(self) -> str | None:
+        """Why this game day's unfinished tasks cannot all end done without a human, or None
+        while they still can: the fleet stop stands, an agent with unfinished work is
+        stopped, or a task ended where nothing requeues it (failed, cancelled, blocked).
+        Nothing in a game day resumes on its own: that is the scenario's operators' job."""
+        auditor = self.people["auditor"]
+        if json_of(await auditor.fleet())["fleet_killed"]:
+            return "the fleet stop stands and nobody will resume it"
+        for agent_id in self.agents:
+            tasks = json_of(await auditor.backlog(agent_id))
+            stuck = [t for t in tasks if t["state"] in ("failed", "cancelled", "blocked")]
+            if stuck:
+                return (f"task {stuck[0]['id']} of agent {agent_id} is {stuck[0]['state']} "
+                        f"and nothing requeues it")
+            unfinished = [t for t in tasks if t["state"] != "done"]
+            if unfinished:
+                agent = json_of(await auditor.agent(agent_id))
+                if agent["killed"]:
+                    return (f"agent {agent_id} is killed (by {agent['kill_origin']}) with "
+                            f"{len(unfinished)} unfinished tasks and nobody will resume it")
+        return None
+
     async def sandboxes(self, agent_id: str) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = json_of(await self.people["auditor"].sandboxes(agent_id))
         return rows
