@@ -123,10 +123,14 @@ async def daemon_ws(ws: WebSocket) -> None:
     if refused is not None:
         await _reject(ws, *refused)
         return
+    # A reused warm sandbox has had a session per wake: the daemon speaks for the newest.
+    # (Picking whichever row came first once killed a fresh daemon for its sandbox's old,
+    # ended session, as soon as that row was last written after the new one.)
     session = await orch.pool.fetchrow(
         "SELECT s.id, s.state, a.org_id, a.model, a.budget_usd::float8 AS budget_usd,"
         " a.max_turns, a.guard"
-        " FROM sessions s JOIN agents a ON a.id=s.agent_id WHERE s.sandbox_id=$1",
+        " FROM sessions s JOIN agents a ON a.id=s.agent_id WHERE s.sandbox_id=$1"
+        " ORDER BY s.started_at DESC, s.id DESC LIMIT 1",
         sandbox_id,
     )
     if session is None:  # the wake writes both rows in one transaction
