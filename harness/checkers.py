@@ -272,8 +272,8 @@ def kill_obeyed(history: History, final: FinalState,
                   and isinstance(d.value.get("sent_ns"), int)]
     if not deliveries:
         return Verdict(name, "unknown", "No kill message reached a running daemon in this game "
-                       "day (no session records one sent), so no daemon's obedience could be "
-                       "judged.")
+                       "day, or the control plane does not record one (no session carries a "
+                       "kill_sent_at), so no daemon's obedience could be judged.")
     all_stops = stops(history)
     lines: list[str] = []
     evidence: set[int] = set()
