@@ -49,21 +49,24 @@ def stopped_agent_woken(day):
 """
 
 
-def _run(pytester: pytest.Pytester, scenario: str) -> pytest.RunResult:
+def _run(pytester: pytest.Pytester, scenario: str, *args: str) -> pytest.RunResult:
     pytester.makeconftest(CONFTEST)
     folder = pytester.mkdir("scenarios")
     (folder / "drill.py").write_text(HISTORY + scenario)
     # The folder, not the file: a file named on the command line is rewritten by pytest
     # itself; a game day found in its folder is the plugin's to collect.
-    return pytester.runpytest_subprocess("scenarios", "-p", "no:cacheprovider")
+    return pytester.runpytest_subprocess("scenarios", "-p", "no:cacheprovider", *args)
 
 
-def test_a_failing_comparison_shows_both_values(pytester: pytest.Pytester) -> None:
+# Each import mode names the module differently; the rewriting must follow every one.
+@pytest.mark.parametrize("import_mode", ["prepend", "importlib"])
+def test_a_failing_comparison_shows_both_values(pytester: pytest.Pytester,
+                                                import_mode: str) -> None:
     result = _run(pytester, """
 def test_heartbeat_refused(gameday):
     status, body = 202, {"accepted": True}
     assert (status, body) == (409, {"error": "Agent or fleet is stopped"})
-""")
+""", f"--import-mode={import_mode}")
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
     assert "assert (202, {'accepted': True}) == (409, {'error" in out, out
