@@ -36,6 +36,8 @@ class DaemonLink:
     def confirm_kill(self, by: str) -> None:
         if self.kill_sent_ns is not None and self.kill_confirmed_by is None:
             self.kill_confirmed_ns, self.kill_confirmed_by = time.time_ns(), by
+            metrics.kill_confirmations.labels(by).observe(
+                (self.kill_confirmed_ns - self.kill_sent_ns) / 1e9)
         self.stopped.set()
 
 

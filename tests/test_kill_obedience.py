@@ -61,6 +61,8 @@ async def test_a_daemon_deaf_to_kill_fails_the_kill_checker(world: World) -> Non
     assert "daemon did not obey the kill: it never acknowledged it and stopped only when its " \
            "kill-flag lease ran out" in verdict.message, verdict.message
     assert time.monotonic() - started < 30
+    metrics = (await world.anonymous.get("/metrics")).text
+    assert 'covey_kill_confirmation_seconds_count{by="lease"}' in metrics
 
 
 async def test_a_daemon_that_obeys_passes_the_kill_checker(world: World) -> None:
