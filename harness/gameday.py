@@ -70,6 +70,7 @@ class Outcome:
 def assert_valid(verdicts: list[Verdict], required: frozenset[str] = frozenset()) -> None:
     """Fail with every failed verdict, and every `unknown` one of a checker in `required`,
     each naming the events that prove it."""
+    __tracebackhide__ = True  # the scenario's call is the line to show
     broken = broken_rules(verdicts, required)
     assert not broken, "\n".join(broken)
 

@@ -25,6 +25,7 @@ async def eventually(check: Callable[[], Awaitable[T]], deadline_s: float, messa
                      impossible: Callable[[], Awaitable[str | None]] | None = None) -> T:
     """Poll until check() returns something truthy; fail with `message` at the deadline, or
     as soon as `impossible()` says why it cannot happen any more."""
+    __tracebackhide__ = True  # pytest shows the scenario's line that waited, not this loop
     started = time.monotonic()
     deadline = started + deadline_s
     asked = float("-inf")
