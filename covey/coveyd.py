@@ -4,6 +4,11 @@ It dials out to the control plane, says `ready`, and works the tasks it is given
 tool-calling loop against an OpenAI-compatible chat-completions endpoint, every tool call
 passing through the guard. Exit codes: 0 clean sleep, 1 error, 2 stopped by its own guard,
 3 kill switch (a `kill` message, or the kill-flag lease running out: fail closed).
+
+Why it stopped is said twice more, because exit code 3 alone cannot tell an obeyed `kill`
+from a lease that ran out (a daemon deaf to `kill` once looked exactly like one that obeyed):
+in its last message to the control plane (`kill_ack` for an obeyed kill, `stopping` for every
+other way out, as far as the channel still carries it) and in its exit log line.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from covey.tools import SCHEMAS, Toolbox
 log = logging.getLogger("coveyd")
 
 EXIT_SLEEP, EXIT_ERROR, EXIT_TRIPPED, EXIT_KILLED = 0, 1, 2, 3
+# How long the last word may hold up the exit: the channel may be the very thing that is cut.
+LAST_WORD_S = 0.2
 
 # USD per million tokens (prompt, completion). A model missing here trips the budget layer.
 DEFAULT_PRICES: dict[str, tuple[float, float]] = {
@@ -85,6 +92,27 @@ class Env:
         )
 
 
+STOP_WORDS = {"kill": "obeyed a kill message", "lease": "its kill-flag lease ran out",
+              "guard": "its own guard tripped", "sleep": "told to sleep", "error": "an error"}
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Why the daemon stopped: `kill` (it obeyed a kill message), `lease` (its kill-flag
+    lease ran out: fail closed), `guard` (its own guard tripped), `sleep` (told to sleep),
+    `error` (anything else)."""
+
+    kind: str
+    exit_code: int
+    detail: str
+
+    def payload(self) -> dict[str, Any]:
+        return {"stop": self.kind, "exit_code": self.exit_code, "detail": self.detail[:300]}
+
+    def sentence(self) -> str:
+        return f"{STOP_WORDS[self.kind]}" + (f" ({self.detail})" if self.detail else "")
+
+
 @dataclass
 class Outcome:
     result: str | None = None
@@ -100,15 +128,17 @@ class Daemon:
     config: dict[str, Any] = field(default_factory=dict)
     work: asyncio.Task[None] | None = None
     guard_state: dict[str, Any] = field(default_factory=dict)
-    exit_code: asyncio.Future[int] = field(
+    stopped: asyncio.Future[Stop] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
 
     async def send(self, kind: str, payload: dict[str, Any]) -> None:
         await self.ws.send(json.dumps({"type": kind, "payload": payload}, default=str))
 
-    def finish(self, code: int) -> None:
-        if not self.exit_code.done():
-            self.exit_code.set_result(code)
+    def finish(self, kind: str, code: int, detail: str = "") -> None:
+        """The first way out wins: a kill that arrives while the daemon is falling asleep
+        does not rewrite why it stopped."""
+        if not self.stopped.done():
+            self.stopped.set_result(Stop(kind, code, detail))
 
     def stop_work(self, why: str) -> None:
         """Stop at once: no safe boundary, no report. The run's tool calls die with it."""
@@ -117,9 +147,9 @@ class Daemon:
         log.warning("kill switch: %s", why)
         log.warning("daemon terminates immediately")
 
-    def kill(self, why: str) -> None:
+    def lease_lapsed(self, why: str) -> None:
         self.stop_work(why)
-        self.finish(EXIT_KILLED)
+        self.finish("lease", EXIT_KILLED, why)
 
     async def read(self) -> None:
         async for raw in self.ws:
@@ -130,18 +160,23 @@ class Daemon:
                 log.error("unreadable message from the control plane: %.200s", raw)
                 continue
             if kind == "kill":
-                self.stop_work(f"reason {payload.get('reason', '?')}")
+                reason = str(payload.get("reason", "?"))
+                self.stop_work(f"reason {reason}")
+                stop = Stop("kill", EXIT_KILLED, f"reason {reason}")
                 # Confirmed once nothing more can start: the control plane answers the
-                # operator when the kill is in hand here.
+                # operator when the kill is in hand here. The ack is this daemon's last word.
                 with contextlib.suppress(websockets.ConnectionClosed, TimeoutError):
-                    await asyncio.wait_for(self.send("kill_ack", {}), 1.0)
-                self.finish(EXIT_KILLED)
+                    await asyncio.wait_for(self.send("kill_ack", stop.payload()), 1.0)
+                self.finish(stop.kind, stop.exit_code, stop.detail)
                 return
             if kind == "sleep":
                 log.info("told to sleep%s", f" ({payload['reason']})" if "reason" in payload
                          else "")
-                self.finish(EXIT_TRIPPED if payload.get("reason") == "guard-trip"
-                            else EXIT_SLEEP)
+                if payload.get("reason") == "guard-trip":
+                    self.finish("guard", EXIT_TRIPPED, f"{self.guard_state.get('layer', '?')}: "
+                                f"{self.guard_state.get('reason', '')}")
+                else:
+                    self.finish("sleep", EXIT_SLEEP, str(payload.get("reason", "")))
                 return
             if kind == "lease":
                 self.flag.renew(float(payload.get("ttl_ms", 0)) / 1000,
@@ -158,10 +193,10 @@ class Daemon:
                 log.warning("control plane says: %s (%s)", payload.get("error"),
                             payload.get("hint"))
         log.error("control channel closed by the control plane")
-        self.finish(EXIT_ERROR)
+        self.finish("error", EXIT_ERROR, "control channel closed by the control plane")
 
     async def heartbeat(self, every_s: float = 5.0) -> None:
-        while not self.exit_code.done():
+        while not self.stopped.done():
             try:
                 await self.send("heartbeat",
                                 {"busy": self.work is not None and not self.work.done()})
@@ -173,18 +208,19 @@ class Daemon:
         if task.cancelled() or task.exception() is None:
             return
         exc = task.exception()
-        log.error("%s", exc if isinstance(exc, DaemonError) else repr(exc))
-        self.finish(EXIT_ERROR)
+        text = str(exc) if isinstance(exc, DaemonError) else repr(exc)
+        log.error("%s", text)
+        self.finish("error", EXIT_ERROR, text)
 
     async def watch_lease(self) -> None:
         """The flag fails closed even while a tool call blocks the loop's own checks.
         Idle between tasks there is nothing to stop; the next step checks the flag first."""
-        while not self.exit_code.done():
+        while not self.stopped.done():
             try:
                 if self.work is not None and not self.work.done():
                     self.flag.check()
             except LeaseExpiredTrip as trip:
-                self.kill(f"{trip.reason}; failing closed")
+                self.lease_lapsed(f"{trip.reason}; failing closed")
                 return
             await asyncio.sleep(0.05)
 
@@ -248,7 +284,7 @@ class Daemon:
                     messages.append({"role": "tool", "tool_call_id": call["id"],
                                      "content": json.dumps(result)})
         except LeaseExpiredTrip as trip:
-            self.kill(f"{trip.reason}; failing closed")  # cancels this very task
+            self.lease_lapsed(f"{trip.reason}; failing closed")  # cancels this very task
             raise asyncio.CancelledError from trip
         except Trip as trip:
             self.guard_state = guard.snapshot(trip)
@@ -287,7 +323,11 @@ async def run(env: Env) -> int:
 
         reader.add_done_callback(daemon.on_task_end)
         started = time.monotonic()
-        code = await daemon.exit_code
+        stop = await daemon.stopped
+        code = stop.exit_code
+        if stop.kind != "kill":  # an obeyed kill's last word was its kill_ack
+            with contextlib.suppress(websockets.ConnectionClosed, TimeoutError, OSError):
+                await asyncio.wait_for(daemon.send("stopping", stop.payload()), LAST_WORD_S)
         if code == EXIT_KILLED:
             # No closing handshake: the channel may be the very thing that is cut.
             ws.transport.abort()
@@ -297,7 +337,8 @@ async def run(env: Env) -> int:
         if daemon.work is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await daemon.work
-        log.info("exiting with %d after %.1fs", code, time.monotonic() - started)
+        log.info("exiting with %d after %.1fs: %s", code, time.monotonic() - started,
+                 stop.sentence())
         return code
 
 

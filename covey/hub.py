@@ -25,6 +25,20 @@ class DaemonLink:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Set when the daemon confirms a kill (`kill_ack`) or its connection is gone.
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    # The kill sent here and how it was confirmed (wall clock, this replica's): by the
+    # daemon's `kill_ack`, or only by its hang-up, after its lease ran out (its last word
+    # said so) or without a word. Only an ack is obedience; a hang-up also ends the wait.
+    kill_sent_ns: int | None = None
+    kill_confirmed_ns: int | None = None
+    kill_confirmed_by: str | None = None  # kill_ack | lease | hang_up
+    last_word: str | None = None  # the daemon's `stopping` reason, when it said one
+
+    def confirm_kill(self, by: str) -> None:
+        if self.kill_sent_ns is not None and self.kill_confirmed_by is None:
+            self.kill_confirmed_ns, self.kill_confirmed_by = time.time_ns(), by
+            metrics.kill_confirmations.labels(by).observe(
+                (self.kill_confirmed_ns - self.kill_sent_ns) / 1e9)
+        self.stopped.set()
 
 
 class DaemonHub:
@@ -43,13 +57,19 @@ class DaemonHub:
     def detach(self, session_id: UUID) -> None:
         link = self._links.pop(session_id, None)
         if link is not None:
-            link.stopped.set()
+            link.confirm_kill("lease" if link.last_word == "lease" else "hang_up")
         metrics.daemon_connections.set(len(self._links))
 
     def acknowledge_kill(self, session_id: UUID) -> None:
         link = self._links.get(session_id)
         if link is not None:
-            link.stopped.set()
+            link.confirm_kill("kill_ack")
+
+    def acknowledged(self, session_ids: list[UUID]) -> list[UUID]:
+        """Of these sessions, those whose daemon confirmed the kill sent here with its
+        `kill_ack` (not merely hung up)."""
+        return [s for s in session_ids if (link := self._killed.get(s)) is not None
+                and link.kill_confirmed_by == "kill_ack"]
 
     async def wait_stopped(self, session_ids: list[UUID], timeout_s: float) -> list[UUID]:
         """Wait, at most `timeout_s`, until the daemons this replica sent `kill` to have
@@ -86,7 +106,9 @@ class DaemonHub:
         self._killed[session_id] = link
         if len(self._killed) > self.KILLS_REMEMBERED:
             self._killed.popitem(last=False)
-        return await send_to(link, "kill", {"reason": "kill-switch", "sent_at_ns": time.time_ns()})
+        link.kill_sent_ns = time.time_ns()
+        return await send_to(link, "kill", {"reason": "kill-switch",
+                                            "sent_at_ns": link.kill_sent_ns})
 
 
 async def send_to(link: DaemonLink, kind: str, payload: dict[str, Any]) -> bool:

@@ -15,6 +15,13 @@ kill_stage_seconds = Histogram(
     buckets=KILL_BUCKETS,
 )
 wakes = Counter("covey_wakes_total", "Wake attempts by path and outcome", ["path", "outcome"])
+kill_confirmations = Histogram(
+    "covey_kill_confirmation_seconds",
+    "Time from a kill message sent to a daemon to its confirmation, by how it came: kill_ack "
+    "(obeyed), lease (hung up once its lease ran out), hang_up (without a word)",
+    ["by"],
+    buckets=KILL_BUCKETS,
+)
 daemon_connections = Gauge("covey_daemon_connections", "Daemon WebSockets connected here")
 daemon_losses = Counter("covey_daemon_losses_total", "Sessions lost with their daemon", ["outcome"])
 rejected_results = Counter("covey_rejected_results_total", "Results refused by fencing", ["why"])

@@ -94,6 +94,7 @@ class KillReport:
     sessions_cancelled: list[UUID] = field(default_factory=list)
     kill_delivered: list[UUID] = field(default_factory=list)
     kill_confirmed: list[UUID] = field(default_factory=list)
+    kill_acknowledged: list[UUID] = field(default_factory=list)  # by kill_ack, not a hang-up
     tasks_requeued: list[UUID] = field(default_factory=list)
     agents: list[UUID] = field(default_factory=list)
     evicted_sandboxes: list[UUID] = field(default_factory=list)
@@ -704,6 +705,7 @@ class Orchestrator:
         # through a proxy. Bounded: a daemon that cannot answer is stopped by its lease.
         report.kill_confirmed = await self.hub.wait_stopped(
             report.kill_delivered, min(self.settings.lease_ms / 1000, 2.0))
+        report.kill_acknowledged = self.hub.acknowledged(report.kill_confirmed)
 
     async def deliver_kills(self, session_ids: list[UUID]) -> None:
         """A kill announced by another replica (or by ourselves: sent at most once)."""

@@ -8,7 +8,11 @@ What they read from the history (see harness.history and harness.stops):
   the harness reads every task right before a kill's invoke and again after its ok;
 * `wake` / `session_start` with `value["agent_id"]`: an agent seen starting work (an ok whose
   value says `"outcome"` other than `"started"`, such as a refused wake request, is none);
-* `fault_start` / `fault_heal` by the nemesis, with `value["fault_id"]`.
+* `fault_start` / `fault_heal` by the nemesis, with `value["fault_id"]`;
+* `kill_delivery` with `value = {"agent_id", "session_id", "sent_ns", "confirmed_ns",
+  "confirmed_by", "daemon_stop"}`: a kill message the control plane sent to a running
+  daemon, and how it was confirmed (`kill_ack`, `lease`, `hang_up`; None: not yet), at the
+  control plane's times, read back from the session record.
 
 A verdict is `unknown` when the history holds nothing to judge or cannot tell (an outcome
 nobody knows), never a pass by default.
@@ -29,6 +33,11 @@ Validity = bool | Literal["unknown"]
 WAKE_FS = ("wake", "session_start")
 TASK_STATE_F = "task_state"
 ACTION_F = "action"
+KILL_DELIVERY_F = "kill_delivery"
+# A daemon that obeys acknowledges a kill within tens of milliseconds (62-104 ms measured on
+# the processes stack); one deaf to it is only "confirmed" when its 2 s lease runs out. The
+# bound sits far below the lease, with room for a loaded machine.
+KILL_ACK_BOUND_NS = 500_000_000
 
 
 class FinalTask(TypedDict):
@@ -252,12 +261,67 @@ def every_fault_healed(history: History, final: FinalState) -> Verdict:
                    tuple(sorted(i for h in heals if h.type == "ok" for i in h.indexes)))
 
 
+def kill_obeyed(history: History, final: FinalState,
+                bound_ns: int = KILL_ACK_BOUND_NS) -> Verdict:
+    """Every daemon sent a kill obeyed it: acknowledged it (`kill_ack`) within `bound_ns`,
+    instead of running on until a hang-up or its lease ran out (which exits 3 too, with the
+    same log lines, and looks like obedience from everywhere else)."""
+    name = "kill_obeyed"
+    deliveries = [d for d in history.operations(KILL_DELIVERY_F)
+                  if d.type == "ok" and d.agent_id is not None
+                  and isinstance(d.value.get("sent_ns"), int)]
+    if not deliveries:
+        return Verdict(name, "unknown", "No kill message reached a running daemon in this game "
+                       "day, or the control plane does not record one (no session carries a "
+                       "kill_sent_at), so no daemon's obedience could be judged.")
+    all_stops = stops(history)
+    lines: list[str] = []
+    evidence: set[int] = set()
+    slowest = 0
+    for d in deliveries:
+        agent_id = _agent(d)
+        sent, confirmed = int(d.value["sent_ns"]), d.value.get("confirmed_ns")
+        by, said = d.value.get("confirmed_by"), d.value.get("daemon_stop")
+        after = None if not isinstance(confirmed, int) else confirmed - sent
+        where = f"session {d.value.get('session_id')}, event {d.last_index}"
+        if by == "kill_ack" and after is not None and after <= bound_ns:
+            slowest = max(slowest, after)
+            continue
+        kill = next((s.kill for s in reversed(all_stops)
+                     if s.covers(agent_id, final.org_of(agent_id))
+                     and s.kill.start_ns <= sent), None)
+        evidence.update([d.last_index, *(() if kill is None else (kill.last_index,))])
+        if by == "kill_ack" and after is not None:
+            lines.append(f"agent {agent_id}'s daemon acknowledged the kill {_ms(after)} after "
+                         f"it was sent, later than the {_ms(bound_ns)} bound ({where})")
+        elif by == "lease" and after is not None:
+            lines.append(f"agent {agent_id}'s daemon did not obey the kill: it never "
+                         f"acknowledged it and stopped only when its kill-flag lease ran out, "
+                         f"{_ms(after)} after the kill was sent ({where})")
+        elif by == "hang_up" and after is not None:
+            lines.append(f"agent {agent_id}'s daemon did not obey the kill: it hung up "
+                         f"{_ms(after)} after the kill was sent without acknowledging it, "
+                         f"saying it stopped because of {said or 'nothing'} ({where})")
+        else:
+            lines.append(f"agent {agent_id}'s daemon never confirmed the kill sent to it "
+                         f"({where})")
+    if lines:
+        return Verdict(name, False, _sentence("Kills were not obeyed", lines,
+                                              "a daemon that does not act on kill keeps its "
+                                              "agent working until its lease runs out; fix its "
+                                              "kill handling"), tuple(sorted(evidence)))
+    return Verdict(name, True, f"Every daemon sent a kill acknowledged it within "
+                   f"{_ms(bound_ns)} ({_count(len(deliveries), 'kill message')}, the slowest "
+                   f"after {_ms(slowest)}).", tuple(d.last_index for d in deliveries))
+
+
 CHECKERS: tuple[Checker, ...] = (
     no_action_after_kill_ack,
     in_progress_requeued,
     each_task_done_once_after_resume,
     no_wake_of_stopped_agent,
     every_fault_healed,
+    kill_obeyed,
 )
 
 

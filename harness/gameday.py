@@ -18,11 +18,19 @@ from typing import Any, Literal
 import httpx
 from faker import Faker
 
-from harness.checkers import FinalAgent, FinalState, FinalTask, Verdict, check_all
+from harness.checkers import (
+    KILL_DELIVERY_F,
+    FinalAgent,
+    FinalState,
+    FinalTask,
+    Verdict,
+    check_all,
+)
 from harness.client import CoveyClient, json_of
 from harness.history import History
 from harness.measure import TimeToStop, summarize, time_to_stop
 from harness.stack import Endpoints
+from harness.verdicts import broken_rules
 
 ROLES = ("agent_owner", "security", "auditor", "controlling")
 GAME_DAY_MAX_TURNS = 10_000
@@ -36,6 +44,18 @@ def _ns(timestamp: str | None) -> int | None:
     return int(datetime.fromisoformat(timestamp).timestamp() * 1_000_000_000)
 
 
+def kill_delivery(agent_id: str, session: dict[str, Any]) -> dict[str, Any] | None:
+    """A session's kill message and how it was confirmed, as a `kill_delivery` value; None
+    when no kill was sent to its daemon (or the control plane does not say)."""
+    sent = _ns(session.get("kill_sent_at"))
+    if sent is None:
+        return None
+    return {"agent_id": agent_id, "session_id": session["id"], "sent_ns": sent,
+            "confirmed_ns": _ns(session.get("kill_confirmed_at")),
+            "confirmed_by": session.get("kill_confirmed_by"),
+            "daemon_stop": session.get("daemon_stop")}
+
+
 @dataclass
 class Outcome:
     """What a game day concluded; filled in by the scenario as it goes."""
@@ -47,11 +67,12 @@ class Outcome:
     journal: Path | None = None
 
 
-def assert_valid(verdicts: list[Verdict]) -> None:
-    """Fail with every failed verdict, each naming the events that prove it."""
-    failed = [v for v in verdicts if v.valid is False]
-    assert not failed, "\n".join(f"{v.checker}: {v.message} (events {v.evidence})"
-                                 for v in failed)
+def assert_valid(verdicts: list[Verdict], required: frozenset[str] = frozenset()) -> None:
+    """Fail with every failed verdict, and every `unknown` one of a checker in `required`,
+    each naming the events that prove it."""
+    __tracebackhide__ = True  # the scenario's call is the line to show
+    broken = broken_rules(verdicts, required)
+    assert not broken, "\n".join(broken)
 
 
 @dataclass
@@ -66,6 +87,10 @@ class GameDay:
     agents: dict[str, dict[str, Any]] = field(default_factory=dict)
     steady_state: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # The checkers this game day must be able to decide (its `decides` marker), and the
+    # verdicts of its last judgement: what a failure report leads with.
+    required: frozenset[str] = frozenset()
+    verdicts: list[Verdict] = field(default_factory=list)
     started_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
     fake: Faker = field(init=False)
 
@@ -140,6 +165,28 @@ class GameDay:
                     "task_id": t["id"], "state": t["state"], "agent_id": agent_id})
         return tasks
 
+    async def why_work_cannot_finish(self) -> str | None:
+        """Why this game day's unfinished tasks cannot all end done without a human, or None
+        while they still can: the fleet stop stands, an agent with unfinished work is
+        stopped, or a task ended where nothing requeues it (failed, cancelled, blocked).
+        Nothing in a game day resumes on its own: that is the scenario's operators' job."""
+        auditor = self.people["auditor"]
+        if json_of(await auditor.fleet())["fleet_killed"]:
+            return "the fleet stop stands and nobody will resume it"
+        for agent_id in self.agents:
+            tasks = json_of(await auditor.backlog(agent_id))
+            stuck = [t for t in tasks if t["state"] in ("failed", "cancelled", "blocked")]
+            if stuck:
+                return (f"task {stuck[0]['id']} of agent {agent_id} is {stuck[0]['state']} "
+                        f"and nothing requeues it")
+            unfinished = [t for t in tasks if t["state"] != "done"]
+            if unfinished:
+                agent = json_of(await auditor.agent(agent_id))
+                if agent["killed"]:
+                    return (f"agent {agent_id} is killed (by {agent['kill_origin']}) with "
+                            f"{len(unfinished)} unfinished tasks and nobody will resume it")
+        return None
+
     async def sandboxes(self, agent_id: str) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = json_of(await self.people["auditor"].sandboxes(agent_id))
         return rows
@@ -171,6 +218,10 @@ class GameDay:
                     self.history.observe(OBSERVER, "session_start",
                                          {"agent_id": agent_id, "session_id": s["id"],
                                           "outcome": "started"}, time_ns=started)
+                delivery = kill_delivery(agent_id, s)
+                if delivery is not None:
+                    self.history.observe(OBSERVER, KILL_DELIVERY_F, delivery,
+                                         time_ns=delivery["sent_ns"])
 
     async def final_state(self) -> FinalState:
         tasks: dict[str, FinalTask] = {}
@@ -234,16 +285,21 @@ class GameDay:
         await self.copy_ledger()
         await self.copy_sandboxes_and_sessions()
         final = await self.final_state()
-        return check_all(self.history, final), time_to_stop(self.history, final), final
+        self.verdicts = check_all(self.history, final)
+        return self.verdicts, time_to_stop(self.history, final), final
 
     @asynccontextmanager
     async def journaled(self) -> AsyncIterator[Outcome]:
         """Run a scenario's body; whatever happens, judge (if the body did not) and write the
-        journal: `completed`, `failed` on a failed assertion, `aborted` on anything else."""
+        journal: `completed`, `failed` on a failed assertion or verdict (an `unknown` of a
+        required checker included), `aborted` on anything else."""
         outcome = Outcome()
         status = "aborted"
         try:
             yield outcome
+            if outcome.final is None:
+                await self.judged(outcome)
+            assert_valid(outcome.verdicts, self.required)
             status = "completed"
         except AssertionError:
             status = "failed"

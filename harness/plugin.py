@@ -5,15 +5,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Generator
 from pathlib import Path
+from typing import Any, Protocol, cast
 
 import pytest
 
 from harness.gameday import GameDay
 from harness.stack import ContainersStack, ProcessesStack, Stack, TargetStack
+from harness.verdicts import KNOWN_CHECKERS, broken_rules, render
 
 STACKS = ("containers", "processes", "target")
 
@@ -123,7 +126,8 @@ async def gameday(request: pytest.FixtureRequest) -> AsyncIterator[GameDay]:
     stack = make_stack(config)
     async with stack.up() as endpoints:
         day = GameDay(name=request.node.name, stack=stack.name, endpoints=endpoints,
-                      seed=_seed(config), report_dir=Path(config.getoption("--report-dir")))
+                      seed=_seed(config), report_dir=Path(config.getoption("--report-dir")),
+                      required=required_checkers(request.node))
         try:
             await day.enlist()
             yield day
@@ -138,6 +142,114 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Mod
     if (file_path.suffix == ".py" and file_path.parent.name == "scenarios"
             and not file_path.name.startswith(("_", "conftest"))
             and not parent.session.isinitpath(file_path)):
+        rewrite_asserts_of(file_path, parent.config.rootpath)
         module: pytest.Module = pytest.Module.from_parent(parent, path=file_path)
         return module
     return None
+
+
+# ---------------------------------------------------------------------- assertion rewriting
+
+def rewrite_asserts_of(file_path: Path, rootpath: Path) -> None:
+    """pytest rewrites the asserts of the modules it collects by their file names
+    (`python_files`) or names on the command line; a game day collected here by its folder
+    is neither, and its failing `assert r.status_code == 409` would show a bare
+    AssertionError. So its import names are registered for rewriting before pytest imports
+    it: the dotted name from its outermost package (the `prepend` and `append` import modes,
+    and `importlib` inside a package) and its path from the rootdir (`importlib` outside
+    one)."""
+    pytest.register_assert_rewrite(*import_names(file_path, rootpath))
+
+
+def import_names(file_path: Path, rootpath: Path) -> list[str]:
+    parts = [file_path.stem]
+    folder = file_path.parent
+    while (folder / "__init__.py").is_file():
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    names = [".".join(parts)]
+    try:
+        from_root = file_path.with_suffix("").relative_to(rootpath).parts
+    except ValueError:
+        return names
+    if from_root and ".".join(from_root) not in names:
+        names.append(".".join(from_root))
+    return names
+
+
+# ---------------------------------------------------------------------- verdicts first
+
+DECIDES = "decides"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", f"{DECIDES}(*checkers): checkers this game day must be able to decide; an "
+                   f"`unknown` verdict from one of them fails it")
+
+
+def required_checkers(node: pytest.Item | pytest.Collector) -> frozenset[str]:
+    """The checkers a game day's `decides` markers name (module, class and function)."""
+    names = {str(name) for mark in node.iter_markers(DECIDES) for name in mark.args}
+    unknown = names - KNOWN_CHECKERS
+    if unknown:
+        raise pytest.UsageError(f"{node.nodeid}: @pytest.mark.{DECIDES} names no checker "
+                                f"{', '.join(sorted(unknown))}; checkers: "
+                                f"{', '.join(sorted(KNOWN_CHECKERS))}")
+    return frozenset(names)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed game day's report leads with its failed and undecided verdicts, whatever
+    line of the scenario raised first: the checker's sentence says what broke."""
+    report = yield
+    if report.when != "call" or not report.failed:
+        return report
+    day = getattr(item, "funcargs", {}).get("gameday")
+    if not isinstance(day, GameDay):
+        return report
+    required = required_checkers(item) | day.required
+    text = render(day.verdicts, required, day.history)
+    if text is not None:
+        rules = broken_rules(day.verdicts, required)
+        report.longrepr = cast(Any, VerdictsFirst(text, rules[0] if rules else None,
+                                                  report.longrepr))
+    return report
+
+
+class _Writer(Protocol):
+    def line(self, s: str = "", **markup: bool) -> None: ...
+
+    def sep(self, sepchar: str, title: str | None = None, fullwidth: int | None = None,
+            **markup: bool) -> None: ...
+
+
+class VerdictsFirst:
+    """pytest's failure representation with the verdicts put before it. Duck-typed as
+    pytest reads one: `toterminal` for the terminal, `str` for JUnit and xdist, `reprcrash`
+    for the one-line summary (which then names the first broken rule)."""
+
+    def __init__(self, verdicts: str, headline: str | None, original: Any) -> None:
+        self.verdicts = verdicts
+        self.original = original
+        crash: Any = getattr(original, "reprcrash", None)
+        self.reprcrash: Any = crash
+        if (headline is not None and dataclasses.is_dataclass(crash)
+                and not isinstance(crash, type)):
+            self.reprcrash = dataclasses.replace(
+                crash, message=f"{headline} | then: {getattr(crash, 'message', '')}")
+
+    def toterminal(self, tw: _Writer) -> None:
+        for line in self.verdicts.splitlines():
+            tw.line(line, red=line.startswith(("FAILED", "UNDECIDED", "MISSING")),
+                    bold=not line.startswith(" "))
+        tw.sep("-", "where the scenario raised")
+        if hasattr(self.original, "toterminal"):
+            self.original.toterminal(tw)
+        else:
+            tw.line(str(self.original))
+
+    def __str__(self) -> str:
+        return f"{self.verdicts}\n\n{self.original}"

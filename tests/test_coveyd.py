@@ -34,6 +34,16 @@ async def _sandbox(world: World, agent_id: str) -> dict[str, Any]:
     return await eventually(gone, 20, "sandbox never went away")
 
 
+async def _session_of(world: World, agent_id: str, sandbox_id: str) -> dict[str, Any]:
+    """The session of that sandbox, once its daemon's last word is on record."""
+    async def recorded() -> dict[str, Any] | None:
+        rows = (await world.auditor.get(f"/api/v1/agents/{agent_id}/sessions")).json()
+        found = [s for s in rows if s["sandbox_id"] == sandbox_id and s["daemon_stop"]]
+        return found[0] if found else None
+    return await eventually(recorded, 10, f"sandbox {sandbox_id}'s session never recorded why "
+                            "its daemon stopped")
+
+
 def _daemon_log(plane: Plane, sandbox_id: str) -> str:
     return (plane.data_dir / "logs" / f"{sandbox_id}.log").read_text()
 
@@ -47,6 +57,10 @@ async def test_an_agent_works_a_task_and_falls_asleep(cworld: World) -> None:
     assert detail["result"] == "wrote notes.txt"
     sandbox = await _sandbox(cworld, agent["id"])
     assert sandbox["exit_code"] == 0
+    assert "exiting with 0" in _daemon_log(cworld.plane, sandbox["id"])
+    assert "told to sleep" in _daemon_log(cworld.plane, sandbox["id"]).splitlines()[-1]
+    session = await _session_of(cworld, agent["id"], sandbox["id"])
+    assert (session["daemon_stop"], session["kill_sent_at"]) == ("sleep", None)
     rec = (await cworld.org_admin.get(f"/api/v1/agents/{agent['id']}/recording")).json()
     assert [e["detail"]["tool"] for e in rec if e["kind"] == "tool"] == ["write_file", "shell"]
     cost = await cworld.db.fetchval("SELECT sum(usd) FROM cost_entries WHERE agent_id=$1",
@@ -66,12 +80,17 @@ async def test_a_kill_ends_the_daemon_with_code_3(
     r = await cworld.security.post(f"/api/v1/agents/{agent['id']}/kill")
     acknowledged_ns = time.time_ns()
     assert r.status_code == 200
-    # The answer came once the daemon had confirmed the kill.
-    assert r.json()["sessions_confirmed"] == r.json()["sessions_cancelled"] != []
+    # The answer came once the daemon had acknowledged the kill: it obeyed, not hung up.
+    assert r.json()["sessions_acknowledged"] == r.json()["sessions_confirmed"] \
+        == r.json()["sessions_cancelled"] != []
     sandbox = await _sandbox(cworld, agent["id"])
     assert sandbox["exit_code"] == 3
     log = _daemon_log(cworld.plane, sandbox["id"])
     assert "kill switch" in log and "daemon terminates immediately" in log
+    assert "exiting with 3" in log and "obeyed a kill message (reason kill-switch)" in log
+    session = await _session_of(cworld, agent["id"], sandbox["id"])
+    assert (session["daemon_stop"], session["kill_confirmed_by"]) == ("kill", "kill_ack")
+    assert session["kill_sent_at"] <= session["kill_confirmed_at"]
     assert await cworld.task_state(task["id"]) == "open"
     # Nothing the agent asked its model for began after the kill was acknowledged.
     assert [e for e in puppet.actions(agent["id"]) if e.at_ns > acknowledged_ns] == []
@@ -94,6 +113,9 @@ async def test_a_guard_trip_stops_records_alerts_and_holds_the_agent(
     task = await cworld.task(agent["id"], f"model:{behaviour}")
     sandbox = await _sandbox(cworld, agent["id"])
     assert sandbox["exit_code"] == 2
+    assert f"its own guard tripped ({layer}:" in _daemon_log(cworld.plane, sandbox["id"])
+    session = await _session_of(cworld, agent["id"], sandbox["id"])
+    assert session["daemon_stop"] == "guard" and session["daemon_stop_detail"].startswith(layer)
     assert await cworld.task_state(task["id"]) == "open"
     got = (await cworld.auditor.get(f"/api/v1/agents/{agent['id']}")).json()
     assert (got["killed"], got["kill_origin"]) == (True, "guard")
@@ -146,6 +168,7 @@ async def test_cutting_the_control_channel_stops_the_agent_within_the_lease(
             sandbox = await _sandbox(world, agent["id"])
             assert sandbox["exit_code"] == 3
             assert "failing closed" in _daemon_log(plane, sandbox["id"])
+            assert "its kill-flag lease ran out" in _daemon_log(plane, sandbox["id"])
             # Generous on a shared 2-core machine: the lease plus a margin.
             assert stopped_after < lease_s + 1.5, stopped_after
 

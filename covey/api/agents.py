@@ -72,6 +72,7 @@ def kill_out(report: KillReport) -> KillOut:
         agents_stopped=report.agents,
         sessions_cancelled=report.sessions_cancelled,
         sessions_confirmed=report.kill_confirmed,
+        sessions_acknowledged=report.kill_acknowledged,
         tasks_requeued=report.tasks_requeued,
         evicted_sandboxes=report.evicted_sandboxes,
     )
@@ -329,7 +330,8 @@ async def sessions(agent_id: UUID, who: AnyRole, orch: Orch) -> list[SessionOut]
     await agent_of_org(orch, who.org_id, agent_id)
     rows = await orch.pool.fetch(
         "SELECT id, task_id, sandbox_id, node, state, started_at, ended_at, stop_layer,"
-        " stop_reason FROM sessions WHERE agent_id=$1 ORDER BY started_at, id",
+        " stop_reason, daemon_stop, daemon_stop_detail, kill_sent_at, kill_confirmed_at,"
+        " kill_confirmed_by FROM sessions WHERE agent_id=$1 ORDER BY started_at, id",
         agent_id,
     )
     return [SessionOut(**dict(r)) for r in rows]

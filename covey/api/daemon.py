@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
@@ -24,6 +25,9 @@ router = APIRouter()
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_FORBIDDEN = 4403
 CLOSE_PROTOCOL = 4400
+# Why a daemon says it stopped (coveyd.Stop): an obeyed kill, a lapsed lease, its own guard,
+# a sleep, an error.
+DAEMON_STOPS = ("kill", "lease", "guard", "sleep", "error")
 
 
 class ProtocolError(Exception):
@@ -119,10 +123,14 @@ async def daemon_ws(ws: WebSocket) -> None:
     if refused is not None:
         await _reject(ws, *refused)
         return
+    # A reused warm sandbox has had a session per wake: the daemon speaks for the newest.
+    # (Picking whichever row came first once killed a fresh daemon for its sandbox's old,
+    # ended session, as soon as that row was last written after the new one.)
     session = await orch.pool.fetchrow(
         "SELECT s.id, s.state, a.org_id, a.model, a.budget_usd::float8 AS budget_usd,"
         " a.max_turns, a.guard"
-        " FROM sessions s JOIN agents a ON a.id=s.agent_id WHERE s.sandbox_id=$1",
+        " FROM sessions s JOIN agents a ON a.id=s.agent_id WHERE s.sandbox_id=$1"
+        " ORDER BY s.started_at DESC, s.id DESC LIMIT 1",
         sandbox_id,
     )
     if session is None:  # the wake writes both rows in one transaction
@@ -139,6 +147,7 @@ async def daemon_ws(ws: WebSocket) -> None:
     # Gone without `sleep` or `kill`, the daemon is lost and its work goes back to the
     # backlog (counted against daemon_retries). A no-op for a session already ended or killed.
     await orch.session_lost(link.session_id, "control channel closed")
+    await save_kill_confirmation(orch, link)
 
 
 async def _serve(orch: Orchestrator, ws: WebSocket, link: DaemonLink,
@@ -187,7 +196,12 @@ async def _handle(orch: Orchestrator, link: DaemonLink, kind: str, payload: dict
     if kind == "heartbeat":
         return
     if kind == "kill_ack":
-        orch.hub.acknowledge_kill(link.session_id)
+        orch.hub.acknowledge_kill(link.session_id)  # first: the kill's answer waits on it
+        await save_kill_confirmation(orch, link)
+        await save_daemon_stop(orch, link, {"stop": "kill", **payload})
+        return
+    if kind == "stopping":
+        await save_daemon_stop(orch, link, payload)
         return
     if kind == "event":
         await orch.pool.execute(
@@ -241,4 +255,33 @@ async def _handle(orch: Orchestrator, link: DaemonLink, kind: str, payload: dict
         await _assign_next(orch, link)
         return
     raise ProtocolError(f"Unknown message type {kind!r}",
-                        "types: heartbeat, event, cost, task_done, blocked, kill_ack")
+                        "types: heartbeat, event, cost, task_done, blocked, kill_ack, stopping")
+
+
+async def save_daemon_stop(orch: Orchestrator, link: DaemonLink, payload: dict[str, Any]
+                           ) -> None:
+    """The daemon's last word on why it stopped, kept on its session (the first word wins)."""
+    stop = payload.get("stop")
+    if stop not in DAEMON_STOPS:
+        raise ProtocolError("stopping needs stop", f"stop: one of {', '.join(DAEMON_STOPS)}")
+    link.last_word = str(stop)
+    detail = payload.get("detail")
+    await orch.pool.execute(
+        "UPDATE sessions SET daemon_stop=$2, daemon_stop_detail=$3"
+        " WHERE id=$1 AND daemon_stop IS NULL",
+        link.session_id, stop, None if detail is None else str(detail)[:300])
+
+
+async def save_kill_confirmation(orch: Orchestrator, link: DaemonLink) -> None:
+    """How the kill sent to this daemon was confirmed, on its session; once."""
+    if link.kill_sent_ns is None or link.kill_confirmed_ns is None:
+        return
+    await orch.pool.execute(
+        "UPDATE sessions SET kill_sent_at=$2, kill_confirmed_at=$3, kill_confirmed_by=$4"
+        " WHERE id=$1 AND kill_confirmed_by IS NULL",
+        link.session_id, _at(link.kill_sent_ns), _at(link.kill_confirmed_ns),
+        link.kill_confirmed_by)
+
+
+def _at(ns: int) -> datetime:
+    return datetime.fromtimestamp(ns / 1e9, UTC)

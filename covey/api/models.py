@@ -177,6 +177,10 @@ class KillOut(BaseModel):
     sessions_cancelled: list[UUID]
     sessions_confirmed: list[UUID] = Field(
         description="Sessions whose daemon confirmed the kill (or hung up) before this answer")
+    sessions_acknowledged: list[UUID] = Field(
+        default_factory=list,
+        description="Of those, the sessions whose daemon obeyed: it acknowledged the kill "
+                    "(kill_ack) instead of only hanging up")
     tasks_requeued: list[UUID]
     evicted_sandboxes: list[UUID]
 
@@ -226,6 +230,18 @@ class SessionOut(BaseModel):
     ended_at: datetime | None
     stop_layer: str | None
     stop_reason: str | None
+    daemon_stop: Literal["kill", "lease", "guard", "sleep", "error"] | None = Field(
+        default=None, description="Why the daemon said it stopped, in its last message: it "
+        "obeyed a kill, its kill-flag lease ran out, its own guard tripped, it was told to "
+        "sleep, or an error; null when it said nothing (a crash, a cut channel)")
+    daemon_stop_detail: str | None = None
+    kill_sent_at: datetime | None = Field(
+        default=None, description="When a kill message went out to this session's daemon")
+    kill_confirmed_at: datetime | None = None
+    kill_confirmed_by: Literal["kill_ack", "lease", "hang_up"] | None = Field(
+        default=None, description="How that kill was confirmed: the daemon's kill_ack "
+        "(obeyed), or only its hang-up after its lease ran out (lease) or without a word "
+        "(hang_up)")
 
 
 class NotificationOut(BaseModel):

@@ -68,6 +68,16 @@ class GameDay:
                                     {"task_id": task_id, "agent_id": agent_id, "state": state},
                                     time_ns=int(at_ms * MS))
 
+    def delivery(self, agent_id: str, session_id: str, sent_ms: float,
+                 confirmed_ms: float | None, by: str | None = "kill_ack",
+                 daemon_stop: str | None = "kill") -> Event:
+        """A kill message sent to a daemon and its confirmation, as read back from the
+        session record."""
+        return self.history.observe("observer", "kill_delivery", {
+            "agent_id": agent_id, "session_id": session_id, "sent_ns": int(sent_ms * MS),
+            "confirmed_ns": None if confirmed_ms is None else int(confirmed_ms * MS),
+            "confirmed_by": by, "daemon_stop": daemon_stop}, time_ns=int(sent_ms * MS))
+
     def seen(self, f: str, agent_id: str, at_ms: float, **value: Any) -> Event:
         return self.history.observe("observer", f, {"agent_id": agent_id, **value},
                                     time_ns=int(at_ms * MS))
@@ -85,6 +95,8 @@ def clean_game_day() -> tuple[GameDay, FinalState]:
     day.task("t3", "a2", "in_progress", 95)
     day.action("a2", 99)
     day.kill_fleet(100, 120)
+    day.delivery("a1", "s1", sent_ms=105, confirmed_ms=112)
+    day.delivery("a2", "s2", sent_ms=105, confirmed_ms=115)
     day.action("a1", 110)  # in flight: started before the kill was acknowledged
     day.task("t1", "a1", "open", 125)
     day.task("t2", "a2", "open", 125)

@@ -11,6 +11,7 @@ from harness.checkers import (
     each_task_done_once_after_resume,
     every_fault_healed,
     in_progress_requeued,
+    kill_obeyed,
     no_action_after_kill_ack,
     no_wake_of_stopped_agent,
 )
@@ -22,7 +23,7 @@ def test_a_clean_game_day_passes_every_checker() -> None:
     verdicts = check_all(day.history, final)
     assert [v.checker for v in verdicts] == [
         "no_action_after_kill_ack", "in_progress_requeued", "each_task_done_once_after_resume",
-        "no_wake_of_stopped_agent", "every_fault_healed"]
+        "no_wake_of_stopped_agent", "every_fault_healed", "kill_obeyed"]
     assert [(v.checker, v.valid) for v in verdicts if v.valid is not True] == []
     assert all(v.evidence for v in verdicts)
 
@@ -239,3 +240,45 @@ def test_a_fault_that_failed_to_start_needs_no_heal() -> None:
     day = GameDay()
     day.operation("nemesis", "fault_start", {"fault_id": "f1"}, 20, 21, outcome="fail")
     assert every_fault_healed(day.history, FinalState()).valid is True
+
+
+# ---------------------------------------------------------------- kills obeyed
+
+
+def test_a_kill_confirmed_only_by_the_lease_running_out_was_not_obeyed() -> None:
+    day, final = clean_game_day()
+    # a2's daemon ignored the kill sent at 105 ms and stopped when its lease ran out.
+    lapsed = day.delivery("a2", "s3", sent_ms=105, confirmed_ms=2075, by="lease",
+                          daemon_stop="lease")
+    verdict = kill_obeyed(day.history, final)
+    assert verdict.valid is False
+    assert "agent a2's daemon did not obey the kill: it never acknowledged it and stopped " \
+           "only when its kill-flag lease ran out, 1970.0 ms after the kill was sent" \
+           in verdict.message, verdict.message
+    assert lapsed.index in verdict.evidence
+    kill_ok = day.history.select(f="kill_fleet", type="ok")[0]
+    assert kill_ok.index in verdict.evidence
+
+
+def test_a_hang_up_or_a_late_ack_is_not_obedience() -> None:
+    day, final = clean_game_day()
+    day.delivery("a1", "s4", sent_ms=105, confirmed_ms=1900, by="hang_up", daemon_stop=None)
+    day.delivery("a2", "s5", sent_ms=105, confirmed_ms=805)
+    verdict = kill_obeyed(day.history, final)
+    assert verdict.valid is False
+    assert "agent a1's daemon did not obey the kill: it hung up 1795.0 ms after the kill " \
+           "was sent without acknowledging it, saying it stopped because of nothing" \
+           in verdict.message, verdict.message
+    assert "agent a2's daemon acknowledged the kill 700.0 ms after it was sent, later than " \
+           "the 500.0 ms bound" in verdict.message, verdict.message
+    # The bound is the checker's to state: a looser one accepts the late ack.
+    looser = kill_obeyed(day.history, final, bound_ns=800 * 1_000_000)
+    assert "a2" not in looser.message and "a1's daemon did not obey" in looser.message
+
+
+def test_no_kill_sent_to_a_daemon_is_unknown_not_a_pass() -> None:
+    day = GameDay()
+    day.kill_fleet(100, 120)
+    verdict = kill_obeyed(day.history, FinalState())
+    assert verdict.valid == "unknown"
+    assert "No kill message reached a running daemon" in verdict.message

@@ -1,0 +1,92 @@
+"""What a failing game day says first: the rules it broke and the rules it could not decide,
+each with the checker's sentence and the events that prove it.
+
+An on-call engineer reads the top of pytest's failure output. Whatever line of the scenario
+raised, the verdicts lead (the plugin puts them there); an inline assert comes after them.
+
+A scenario names the checkers it must be able to decide (`@pytest.mark.decides(...)`): an
+`unknown` from one of those is a failed game day, since a rule nobody could judge was not
+shown to hold.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Iterable
+
+from harness.checkers import CHECKERS, Verdict
+from harness.history import Event, History
+
+KNOWN_CHECKERS = frozenset(c.__name__ for c in CHECKERS)
+EVENTS_SHOWN = 8
+VALUE_CHARS = 200
+
+
+def failed(verdicts: Iterable[Verdict]) -> list[Verdict]:
+    return [v for v in verdicts if v.valid is False]
+
+
+def undecided(verdicts: Iterable[Verdict], required: Collection[str]) -> list[Verdict]:
+    """The required checkers that could not decide."""
+    return [v for v in verdicts if v.valid == "unknown" and v.checker in required]
+
+
+def missing(verdicts: Iterable[Verdict], required: Collection[str]) -> list[str]:
+    """Required checkers that gave no verdict at all (not run, or misspelt)."""
+    given = {v.checker for v in verdicts}
+    return sorted(set(required) - given)
+
+
+def broken_rules(verdicts: list[Verdict], required: Collection[str]) -> list[str]:
+    """One sentence per failed or undecided-but-required verdict; empty when the game day
+    holds. The sentences name the checker, so a reader can find its rule."""
+    lines = [f"{v.checker}: {v.message} (events {_indexes(v)})" for v in failed(verdicts)]
+    lines += [f"{v.checker} could not decide, and this game day must: {v.message} "
+              f"(events {_indexes(v)})" for v in undecided(verdicts, required)]
+    lines += [f"{name} gave no verdict, and this game day must decide it (checkers: "
+              f"{', '.join(sorted(KNOWN_CHECKERS))})" for name in missing(verdicts, required)]
+    return lines
+
+
+def render(verdicts: list[Verdict], required: Collection[str], history: History) -> str | None:
+    """The verdicts' part of a failure report: the failed ones, then the undecided ones
+    (required first), each with its events. None when there is nothing to say."""
+    broken = failed(verdicts)
+    unknown = sorted((v for v in verdicts if v.valid == "unknown"),
+                     key=lambda v: v.checker not in required)
+    absent = missing(verdicts, required)
+    if not (broken or unknown or absent):
+        return None
+    origin = history[0].time_ns if len(history) else 0
+    out = ["Game-day verdicts: the rules this run broke or could not decide"]
+    for v in broken:
+        out += [f"FAILED {v.checker}: {v.message}", *_events(v, history, origin)]
+    for v in unknown:
+        label = "UNDECIDED, required" if v.checker in required else "undecided"
+        out += [f"{label} {v.checker}: {v.message}", *_events(v, history, origin)]
+    for name in absent:
+        out.append(f"MISSING {name}: this game day must decide it, but no such checker ran")
+    return "\n".join(out)
+
+
+def _indexes(v: Verdict) -> str:
+    return ", ".join(map(str, v.evidence)) if v.evidence else "none"
+
+
+def _events(v: Verdict, history: History, origin_ns: int) -> list[str]:
+    shown = [i for i in v.evidence if 0 <= i < len(history)][:EVENTS_SHOWN]
+    lines = [f"    {describe(history[i], origin_ns)}" for i in shown]
+    if len(v.evidence) > len(shown):
+        lines.append(f"    … and {len(v.evidence) - len(shown)} more events in the history file")
+    if not v.evidence:
+        lines.append("    (no events: the history holds nothing this checker could use)")
+    return lines
+
+
+def describe(event: Event, origin_ns: int) -> str:
+    """One event on one line: index, type, who, what, when (from the history's start)."""
+    value = json.dumps(event.value, sort_keys=True, default=str)
+    if len(value) > VALUE_CHARS:
+        value = value[:VALUE_CHARS - 1] + "…"
+    return (f"event {event.index} {event.type} {event.process} {event.f} "
+            f"at +{(event.time_ns - origin_ns) / 1e9:.3f} s {value}")
