@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 
 from harness.gameday import GameDay
+from harness.isolation import isolation_header
+from harness.rollback import roll_back_loudly
 from harness.stack import ContainersStack, ProcessesStack, Stack, TargetStack
+from harness.steady import SteadyStateNotMet, prepare
 
 STACKS = ("containers", "processes", "target")
 
@@ -29,6 +32,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="with --stack target: an org admin's email")
     group.addoption("--target-password", default=os.environ.get("COVEY_TARGET_PASSWORD"),
                     help="with --stack target: that admin's password")
+    group.addoption("--target-platform-email",
+                    default=os.environ.get("COVEY_TARGET_PLATFORM_EMAIL"),
+                    help="with --stack target: a platform admin's email; then every game day "
+                         "runs in a fresh organisation of its own")
+    group.addoption("--target-platform-password",
+                    default=os.environ.get("COVEY_TARGET_PLATFORM_PASSWORD"),
+                    help="with --stack target: that platform admin's password")
     group.addoption("--puppet-port", type=int, default=None,
                     help="with --stack target: serve the puppet model on this port (the "
                          "deployment's COVEY_MODEL_URL points at it)")
@@ -77,7 +87,14 @@ def _stack_name(config: pytest.Config) -> tuple[str, str]:
 def pytest_report_header(config: pytest.Config) -> list[str]:
     name, why = _stack_name(config)
     return [f"covey game day: stack={name} ({why}), agents={config.getoption('--agents')}, "
-            f"seed={_seed(config)}, reports in {config.getoption('--report-dir')}/"]
+            f"seed={_seed(config)}, reports in {config.getoption('--report-dir')}/",
+            f"covey game day: {isolation_header(name, _platform_admin(config) is not None)}"]
+
+
+def _platform_admin(config: pytest.Config) -> tuple[str, str] | None:
+    email, password = (config.getoption("--target-platform-email"),
+                       config.getoption("--target-platform-password"))
+    return (email, password) if email and password else None
 
 
 def _seed(config: pytest.Config) -> int:
@@ -103,7 +120,9 @@ def make_stack(config: pytest.Config) -> Stack:
         if not (url and email and password):
             raise pytest.UsageError("--stack target needs --target-url, --target-email and "
                                     "--target-password (or COVEY_TARGET_* variables)")
-        return TargetStack(url, email, password, config.getoption("--puppet-port"))
+        platform = _platform_admin(config)
+        return TargetStack(url, email, password, config.getoption("--puppet-port"),
+                           *(platform or (None, None)))
     return ContainersStack(report_dir, image=_image())
 
 
@@ -125,10 +144,16 @@ async def gameday(request: pytest.FixtureRequest) -> AsyncIterator[GameDay]:
         day = GameDay(name=request.node.name, stack=stack.name, endpoints=endpoints,
                       seed=_seed(config), report_dir=Path(config.getoption("--report-dir")))
         try:
-            await day.enlist()
+            try:
+                await prepare(day)
+            except SteadyStateNotMet as refused:
+                pytest.fail(str(refused), pytrace=False)
             yield day
         finally:
-            await day.close()
+            try:
+                await roll_back_loudly(day)
+            finally:
+                await day.close()
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Module | None:
