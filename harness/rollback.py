@@ -181,7 +181,8 @@ def amend_journal(day: GameDay, report: RollbackReport) -> None:
     document["rollback"] = report.to_json()
     path.write_text(json.dumps(document, indent=2, default=str))
     print(f"rollback: {len(report.restored)} restored, {len(report.could_not)} not"
-          + ("" if report.complete else ": " + "; ".join(report.could_not)))
+          + ("" if report.complete else ": " + "; ".join(report.could_not))
+          + "".join(f"; left alone: {line}" for line in report.left_alone))
 
 
 async def roll_back_loudly(day: GameDay) -> RollbackReport:
