@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from collections.abc import AsyncIterator
@@ -15,7 +16,7 @@ import pytest
 from harness.gameday import GameDay
 from harness.isolation import isolation_header
 from harness.rollback import roll_back_loudly
-from harness.stack import ContainersStack, ProcessesStack, Stack, TargetStack
+from harness.stack import ContainersStack, Endpoints, ProcessesStack, Stack, TargetStack
 from harness.steady import SteadyStateNotMet, prepare
 
 STACKS = ("containers", "processes", "target")
@@ -42,6 +43,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--puppet-port", type=int, default=None,
                     help="with --stack target: serve the puppet model on this port (the "
                          "deployment's COVEY_MODEL_URL points at it)")
+    group.addoption("--reuse-stack", action="store_true",
+                    help="bring the stack up once for the whole run (each game day still "
+                         "runs in an organisation of its own on it)")
     group.addoption("--agents", type=int, default=5, help="agents per game day (default 5)")
     group.addoption("--report-dir", default="reports", help="where journals go")
     group.addoption("--seed", type=int, default=None,
@@ -86,7 +90,9 @@ def _stack_name(config: pytest.Config) -> tuple[str, str]:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     name, why = _stack_name(config)
-    return [f"covey game day: stack={name} ({why}), agents={config.getoption('--agents')}, "
+    reused = ", one for the whole run" if config.getoption("--reuse-stack") else ""
+    return [f"covey game day: stack={name} ({why}{reused}), "
+            f"agents={config.getoption('--agents')}, "
             f"seed={_seed(config)}, reports in {config.getoption('--report-dir')}/",
             f"covey game day: {isolation_header(name, _platform_admin(config) is not None)}"]
 
@@ -134,14 +140,29 @@ def agents_per_game_day(request: pytest.FixtureRequest) -> int:
     return count
 
 
+@pytest.fixture(scope="session")
+async def reused_stack(request: pytest.FixtureRequest) -> AsyncIterator[Endpoints | None]:
+    """With --reuse-stack, the one stack of the run; else None (a stack per game day)."""
+    if not request.config.getoption("--reuse-stack"):
+        yield None
+        return
+    async with make_stack(request.config).up() as endpoints:
+        yield endpoints
+
+
 @pytest.fixture
-async def gameday(request: pytest.FixtureRequest) -> AsyncIterator[GameDay]:
-    """A stack brought up for this test, with its people enlisted; torn down afterwards,
-    also when the test fails."""
+async def gameday(request: pytest.FixtureRequest, reused_stack: Endpoints | None
+                  ) -> AsyncIterator[GameDay]:
+    """A stack brought up for this test (or the run's, with --reuse-stack), with the game
+    day's organisation and people, the steady-state hypothesis checked; rolled back and torn
+    down afterwards, also when the test fails."""
     config = request.config
-    stack = make_stack(config)
-    async with stack.up() as endpoints:
-        day = GameDay(name=request.node.name, stack=stack.name, endpoints=endpoints,
+    name, _ = _stack_name(config)
+    if reused_stack is not None:
+        reused_stack.nemesis.begin_game_day()
+    async with (contextlib.nullcontext(reused_stack) if reused_stack is not None
+                else make_stack(config).up()) as endpoints:
+        day = GameDay(name=request.node.name, stack=name, endpoints=endpoints,
                       seed=_seed(config), report_dir=Path(config.getoption("--report-dir")))
         try:
             try:
