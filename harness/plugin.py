@@ -15,7 +15,7 @@ import pytest
 
 from harness.gameday import GameDay
 from harness.isolation import isolation_header
-from harness.rollback import roll_back_loudly
+from harness.rollback import RollbackFailed, roll_back_loudly
 from harness.stack import ContainersStack, Endpoints, ProcessesStack, Stack, TargetStack
 from harness.steady import SteadyStateNotMet, prepare
 
@@ -173,6 +173,8 @@ async def gameday(request: pytest.FixtureRequest, reused_stack: Endpoints | None
         finally:
             try:
                 await roll_back_loudly(day)
+            except RollbackFailed as failed:  # what is left standing, without a traceback
+                pytest.fail(str(failed), pytrace=False)
             finally:
                 await day.close()
 

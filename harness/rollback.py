@@ -85,13 +85,21 @@ async def _stop_agents(day: GameDay, admin: CoveyClient, report: RollbackReport)
         try:
             json_of(await admin.kill_agent(agent_id))
         except (ApiFailure, httpx.HTTPError) as exc:
-            report.could_not.append(f"agent {slug} ({agent_id}) not stopped: {exc}")
+            report.could_not.append(f"agent {slug} ({agent_id}) may still run: its kill "
+                                    f"failed: {exc}")
         else:
             report.restored.append(f"stopped agent {slug} ({agent_id}) with its own switch")
 
 
 async def _release_fleet(day: GameDay, admin: CoveyClient, report: RollbackReport) -> None:
-    fleet = json_of(await admin.fleet())
+    try:
+        fleet = json_of(await admin.fleet())
+    except (ApiFailure, httpx.HTTPError) as exc:
+        if pulled_fleet_switch(day):
+            report.could_not.append("the fleet stop this game day pulled may still stand: "
+                                    f"the fleet could not be read: {exc!r}")
+            return
+        raise
     if not fleet["fleet_killed"]:
         return
     emails = set()

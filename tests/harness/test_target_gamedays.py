@@ -14,7 +14,8 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -70,9 +71,10 @@ def _journals(report_dir: Path) -> list[dict[str, Any]]:
 
 
 async def run_game_day(command: list[str], report_dir: Path,
-                       interrupt_when: str | None = None) -> Run:
+                       interrupt_when: str | None = None,
+                       on_line: tuple[str, Callable[[], Awaitable[None]]] | None = None) -> Run:
     """One `pytest` of a game day in a subprocess; with `interrupt_when`, Ctrl-C (SIGINT) as
-    soon as that line appears in its output."""
+    soon as that line appears in its output; with `on_line`, that action then."""
     child = await asyncio.create_subprocess_exec(
         *command, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         env={k: v for k, v in os.environ.items() if not k.startswith("COVEY_TARGET")})
@@ -86,6 +88,8 @@ async def run_game_day(command: list[str], report_dir: Path,
             lines.append(line)
             if interrupt_when and interrupt_when in line:
                 child.send_signal(signal.SIGINT)
+            if on_line and on_line[0] in line:
+                await on_line[1]()
     try:
         await asyncio.wait_for(asyncio.gather(read(), child.wait()), GAME_DAY_TIMEOUT_S)
     except TimeoutError:
@@ -113,9 +117,15 @@ async def game_days_working(admin: CoveyClient) -> list[str]:
     return left
 
 
-@pytest.fixture(scope="module")
-async def deployment(pg_url: str, template_db: str, tmp_path_factory: pytest.TempPathFactory
-                     ) -> AsyncIterator[Deployment]:
+@dataclass
+class Served:
+    deployment: Deployment
+    plane: asyncio.subprocess.Process
+
+
+@asynccontextmanager
+async def serve_deployment(pg_url: str, template_db: str, folder: Path
+                           ) -> AsyncIterator[Served]:
     """`covey serve` on its own database, bootstrapped like scripts/serve, with a platform
     admin, and its model at the port where the game days serve the puppet."""
     name = f"covey_target_{uuid.uuid4().hex[:10]}"
@@ -126,7 +136,6 @@ async def deployment(pg_url: str, template_db: str, tmp_path_factory: pytest.Tem
         await conn.close()
     base, _, query = pg_url.partition("?")
     database_url = f"{base.rsplit('/', 1)[0]}/{name}" + (f"?{query}" if query else "")
-    folder = tmp_path_factory.mktemp("target")
     port, puppet_port = free_port(), free_port()
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("COVEY_")},
            "DATABASE_URL": database_url, "COVEY_DATA_DIR": str(folder / "data"),
@@ -145,20 +154,31 @@ async def deployment(pg_url: str, template_db: str, tmp_path_factory: pytest.Tem
     url = f"http://127.0.0.1:{port}"
     try:
         await wait_until_healthy(url, 60, plane)
-        yield Deployment(url, puppet_port, folder / "reports")
+        yield Served(Deployment(url, puppet_port, folder / "reports"), plane)
     finally:
-        if plane.returncode is None:
-            plane.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(plane.wait(), 30)
-            except TimeoutError:
-                os.killpg(plane.pid, signal.SIGKILL)
-                await plane.wait()
+        await stop_plane(plane)
         conn = await asyncpg.connect(pg_url)
         try:
             await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         finally:
             await conn.close()
+
+
+async def stop_plane(plane: asyncio.subprocess.Process) -> None:
+    if plane.returncode is None:
+        plane.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(plane.wait(), 30)
+        except TimeoutError:
+            os.killpg(plane.pid, signal.SIGKILL)
+            await plane.wait()
+
+
+@pytest.fixture(scope="module")
+async def deployment(pg_url: str, template_db: str, tmp_path_factory: pytest.TempPathFactory
+                     ) -> AsyncIterator[Deployment]:
+    async with serve_deployment(pg_url, template_db, tmp_path_factory.mktemp("target")) as s:
+        yield s.deployment
 
 
 @pytest.mark.parametrize("platform", [False, True], ids=["shared-org", "own-orgs"])
@@ -217,7 +237,7 @@ async def test_fails_after_the_fleet_kill(gameday):
         print("fleet killed", flush=True)
         {failure}
 """
-FAILURES = {
+FAILURES: dict[str, str] = {
     "failed-assertion": 'assert False, "failed on purpose after the fleet kill"',
     "exception": 'raise RuntimeError("broke on purpose after the fleet kill")',
     # Ctrl-C: the test waits until the harness's runner sends SIGINT.
@@ -294,3 +314,32 @@ async def test_a_game_day_refuses_to_start_while_a_fleet_stop_stands(
         json_of(await security.resume_fleet())
         await security.aclose()
         await admin.aclose()
+
+
+async def test_a_rollback_that_cannot_restore_is_a_loud_error(
+        pg_url: str, template_db: str, tmp_path: Path) -> None:
+    """The deployment goes away after the fleet kill: the rollback cannot release the switch
+    and must say so, loudly, naming what is left standing."""
+    scenario = tmp_path / "scenarios" / "fails_after_the_kill.py"
+    scenario.parent.mkdir()
+    gone = tmp_path / "deployment-gone"
+    scenario.write_text(textwrap.dedent(FAILS_AFTER_THE_KILL).replace(
+        "{failure}", f"await eventually(lambda: asyncio.to_thread(os.path.exists, {str(gone)!r}),"
+        " 60, 'the deployment was not stopped')\n        assert False, 'on purpose'").replace(
+        "import asyncio", "import asyncio\nimport os"))
+    reports = tmp_path / "reports"
+    (tmp_path / "target").mkdir()
+    async with serve_deployment(pg_url, template_db, tmp_path / "target") as served:
+        async def stop_deployment() -> None:
+            await stop_plane(served.plane)
+            await asyncio.to_thread(gone.touch)
+        command = [*served.deployment.command(scenario, report_dir=reports), "-s"]
+        run = await run_game_day(command, reports, on_line=("fleet killed", stop_deployment))
+    assert run.code != 0
+    assert "ERROR at teardown" in run.output, run.output[-4000:]
+    assert "could not restore everything; left standing" in run.output, run.output[-4000:]
+    assert "the fleet stop this game day pulled may still stand" in run.output, \
+        run.output[-4000:]
+    (journal,) = run.journals
+    assert journal["rollback"]["complete"] is False, journal["rollback"]
+    assert any("may still stand" in line for line in journal["rollback"]["could_not"])
