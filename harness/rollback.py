@@ -105,7 +105,10 @@ async def _release_fleet(day: GameDay, admin: CoveyClient, report: RollbackRepor
     emails = set()
     for person in day.people.values():
         emails.add(str(json_of(await person.me())["email"]).lower())
-    ours = pulled_fleet_switch(day) or str(fleet.get("fleet_killed_by") or "").lower() in emails
+    # Who pulled it, where the deployment says; else whether the game day did. A stop pulled
+    # first by someone else stays theirs even if the game day's kill came after (idempotent).
+    by = fleet.get("fleet_killed_by")
+    ours = str(by).lower() in emails if by else pulled_fleet_switch(day)
     stop = standing_stop(fleet)
     if not ours:
         # The hypothesis saw the fleet running at the start: someone else pulled this one

@@ -96,21 +96,31 @@ async def puppet_reachable(day: GameDay) -> Probe:
     await day.endpoints.puppet.assign(probe["id"], "well_behaved")
     json_of(await admin.create_task(probe["id"], "steady-state probe: answer the puppet"), 201)
 
-    async def heard() -> bool:
-        return bool(await day.endpoints.puppet.actions(probe["id"]))
+    async def answered() -> str | None:
+        """"heard" once the puppet has a request; "ended" once a session of the probe ended
+        without one (its model was not reached there: no need to wait for the deadline)."""
+        if await day.endpoints.puppet.actions(probe["id"]):
+            return "heard"
+        sessions = json_of(await admin.sessions(probe["id"]))
+        if any(s["state"] not in ("starting", "running") for s in sessions):
+            return None if await day.endpoints.puppet.actions(probe["id"]) else "ended"
+        return None
     try:
-        await eventually(heard, PROBE_DEADLINE_S, "the puppet heard nothing from the probe",
-                         interval=0.1)
-        ok = True
+        result = await eventually(answered, PROBE_DEADLINE_S, "the probe never answered",
+                                  interval=0.1)
+    except AssertionError:
+        result = "silent"
+    ok = result == "heard"
+    if ok:
         seen = (f"the probe agent's model request reached the puppet at "
                 f"{day.endpoints.puppet_url}")
-    except AssertionError:
-        ok = False
+    else:
         sessions = json_of(await admin.sessions(probe["id"]))
         ended = [f"{s['state']} ({s['stop_reason'] or 'no reason given'})" for s in sessions]
         seen = (f"no model request of the probe agent reached the puppet at "
-                f"{day.endpoints.puppet_url} within {PROBE_DEADLINE_S:g} s; its sessions: "
-                + (", ".join(ended) or "none started"))
+                f"{day.endpoints.puppet_url}"
+                + (f" within {PROBE_DEADLINE_S:g} s" if result == "silent" else "")
+                + "; its sessions: " + (", ".join(ended) or "none started"))
     json_of(await admin.kill_agent(probe["id"]))
     return Probe("the puppet model is reachable from the deployment", ok, seen,
                  None if ok else "start the deployment with COVEY_MODEL_URL="

@@ -343,3 +343,25 @@ async def test_a_rollback_that_cannot_restore_is_a_loud_error(
     (journal,) = run.journals
     assert journal["rollback"]["complete"] is False, journal["rollback"]
     assert any("may still stand" in line for line in journal["rollback"]["could_not"])
+
+
+async def test_a_game_day_refuses_to_start_when_the_deployment_cannot_reach_the_puppet(
+        deployment: Deployment, tmp_path: Path) -> None:
+    reports = tmp_path / "reports"
+    elsewhere = Deployment(deployment.url, free_port(), deployment.reports)  # not its model
+    run = await run_game_day(elsewhere.command(ROOT / "scenarios" / "fleet_stop.py",
+                                               report_dir=reports), reports)
+    assert run.code != 0, f"the game day started without a reachable puppet:\n{run.output}"
+    assert "the puppet model is reachable from the deployment does not hold" in run.output, \
+        run.output[-4000:]
+    assert f"COVEY_MODEL_URL=http://127.0.0.1:{elsewhere.puppet_port}/v1" in run.output, \
+        run.output[-4000:]
+    (journal,) = run.journals
+    assert journal["status"] == "not_started", journal["status"]
+    assert [p["holds"] for p in journal["steady_state_hypothesis"]] == [True, True, False]
+    assert journal["rollback"]["complete"], journal["rollback"]
+    admin = await deployment.admin()
+    try:
+        assert await game_days_working(admin) == [], "the probe agent was left working"
+    finally:
+        await admin.aclose()
