@@ -165,18 +165,24 @@ async def gameday(request: pytest.FixtureRequest, reused_stack: Endpoints | None
         day = GameDay(name=request.node.name, stack=name, endpoints=endpoints,
                       seed=_seed(config), report_dir=Path(config.getoption("--report-dir")))
         try:
+            refused: str | None = None
             try:
                 await prepare(day)
-            except SteadyStateNotMet as refused:
-                pytest.fail(str(refused), pytrace=False)
+            except SteadyStateNotMet as not_met:
+                refused = str(not_met)
+            if refused is not None:  # outside the except: no chained traceback
+                pytest.fail(refused, pytrace=False)
             yield day
         finally:
+            left_standing: str | None = None
             try:
                 await roll_back_loudly(day)
-            except RollbackFailed as failed:  # what is left standing, without a traceback
-                pytest.fail(str(failed), pytrace=False)
+            except RollbackFailed as failed:
+                left_standing = str(failed)
             finally:
                 await day.close()
+            if left_standing is not None:  # loud, and without a traceback in the way
+                pytest.fail(left_standing, pytrace=False)
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Module | None:

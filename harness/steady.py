@@ -38,8 +38,9 @@ class Probe:
 
 class SteadyStateNotMet(Exception):
     def __init__(self, probe: Probe) -> None:
-        super().__init__(f"the game day did not start: {probe.name} does not hold: "
-                         f"{probe.seen}" + (f"; {probe.fix}" if probe.fix else ""))
+        super().__init__(f"the game day did not start: {probe.seen}"
+                         + (f": {probe.fix}" if probe.fix else "")
+                         + f" (steady-state hypothesis: {probe.name})")
         self.probe = probe
 
 

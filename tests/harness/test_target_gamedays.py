@@ -352,7 +352,9 @@ async def test_a_game_day_refuses_to_start_when_the_deployment_cannot_reach_the_
     run = await run_game_day(elsewhere.command(ROOT / "scenarios" / "fleet_stop.py",
                                                report_dir=reports), reports)
     assert run.code != 0, f"the game day started without a reachable puppet:\n{run.output}"
-    assert "the puppet model is reachable from the deployment does not hold" in run.output, \
+    assert "(steady-state hypothesis: the puppet model is reachable from the deployment)" \
+        in run.output, run.output[-4000:]
+    assert "no model request of the probe agent reached the puppet" in run.output, \
         run.output[-4000:]
     assert f"COVEY_MODEL_URL=http://127.0.0.1:{elsewhere.puppet_port}/v1" in run.output, \
         run.output[-4000:]
