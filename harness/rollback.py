@@ -111,8 +111,8 @@ async def _release_fleet(day: GameDay, admin: CoveyClient, report: RollbackRepor
     ours = str(by).lower() in emails if by else pulled_fleet_switch(day)
     stop = standing_stop(fleet)
     if not ours:
-        # The hypothesis saw the fleet running at the start: someone else pulled this one
-        # during the game day. Releasing another person's emergency stop is not ours to do.
+        # Someone else's stop (standing before the game day, which then refused to start, or
+        # pulled during it): releasing another person's emergency stop is not ours to do.
         report.left_alone.append(f"{stop} (not by this game day) still stands")
         return
     try:

@@ -123,10 +123,16 @@ async def puppet_reachable(day: GameDay) -> Probe:
                 + (f" within {PROBE_DEADLINE_S:g} s" if result == "silent" else "")
                 + "; its sessions: " + (", ".join(ended) or "none started"))
     json_of(await admin.kill_agent(probe["id"]))
-    return Probe("the puppet model is reachable from the deployment", ok, seen,
-                 None if ok else "start the deployment with COVEY_MODEL_URL="
-                 f"{day.endpoints.puppet_url} (the harness serves the puppet there, "
-                 "--puppet-port) and make sure its sandboxes can reach it",
+    if ok:
+        fix = None
+    elif day.stack == "target":
+        fix = (f"start the deployment with COVEY_MODEL_URL={day.endpoints.puppet_url} (the "
+               "harness serves the puppet there, --puppet-port) and make sure its sandboxes "
+               "can reach it")
+    else:
+        fix = ("the stack's own sandboxes could not reach its puppet: see the control plane's "
+               "log in the report directory")
+    return Probe("the puppet model is reachable from the deployment", ok, seen, fix,
                  time.monotonic() - started)
 
 
@@ -137,11 +143,9 @@ def _require(day: GameDay, probe: Probe) -> None:
         raise SteadyStateNotMet(probe)
 
 
-async def deployment_holds(day: GameDay) -> None:
-    """Before anyone is enlisted, so that a refused game day leaves nothing behind: the
-    control plane answers and the organisation's fleet is not stopped."""
+async def fleet_holds(day: GameDay) -> None:
+    """Before anyone is enlisted, so that a refused game day leaves nothing behind."""
     assert day.organisation is not None, "the game day has no organisation yet"
-    _require(day, await control_plane_answers(day.endpoints.url))
     admin = await CoveyClient.signed_in(day.endpoints.url, day.organisation.admin_email,
                                         day.organisation.admin_password)
     try:
@@ -156,10 +160,20 @@ async def puppet_holds(day: GameDay) -> None:
 
 
 async def prepare(day: GameDay) -> None:
-    """Before a game day: its organisation (harness/isolation.py), the hypothesis on the
-    deployment, its people, the hypothesis on the puppet. A game day the hypothesis refuses
-    writes a journal saying which probe failed (status `not_started`) and does not start."""
+    """Before a game day: the control plane answers; then its organisation (see
+    harness/isolation.py), whose fleet must be running; its people; the puppet reachable. A
+    game day the hypothesis refuses writes a journal saying which probe failed (status
+    `not_started`) and does not start."""
+    try:
+        await _prepare(day)
+    except SteadyStateNotMet:
+        day.journal("not_started", [], [], {})
+        raise
+
+
+async def _prepare(day: GameDay) -> None:
     e = day.endpoints
+    _require(day, await control_plane_answers(e.url))
     organisation = await organisation_for(
         e.url, e.admin_email, e.admin_password, e.platform_email, e.platform_password,
         day.name, day.seed, day.run_id)
@@ -170,10 +184,6 @@ async def prepare(day: GameDay) -> None:
     if organisation.warning:
         day.notes.append(f"this game day {organisation.warning}")
         print(f"WARNING: game day {day.name} {organisation.warning}")
-    try:
-        await deployment_holds(day)
-        await day.enlist()
-        await puppet_holds(day)
-    except SteadyStateNotMet:
-        day.journal("not_started", [], [], {})
-        raise
+    await fleet_holds(day)
+    await day.enlist()
+    await puppet_holds(day)
