@@ -62,6 +62,12 @@ class CoveyClient:
         return await self.http.post("/api/v1/members",
                                     json={"email": email, "password": password, "role": role})
 
+    async def create_org(self, name: str, admin_email: str, admin_password: str
+                         ) -> httpx.Response:
+        """A new organisation and its first admin (platform admins only)."""
+        return await self.http.post("/api/v1/platform/orgs", json={
+            "name": name, "admin_email": admin_email, "admin_password": admin_password})
+
     # agents and their work
     async def create_agent(self, slug: str, display_name: str, **fields: Any) -> httpx.Response:
         return await self.http.post("/api/v1/agents",

@@ -28,6 +28,7 @@ from harness.checkers import (
 )
 from harness.client import CoveyClient, json_of
 from harness.history import History
+from harness.isolation import Organisation, agent_slug, run_id
 from harness.measure import TimeToStop, summarize, time_to_stop
 from harness.stack import Endpoints
 from harness.verdicts import broken_rules
@@ -91,6 +92,13 @@ class GameDay:
     # verdicts of its last judgement: what a failure report leads with.
     required: frozenset[str] = frozenset()
     verdicts: list[Verdict] = field(default_factory=list)
+    # Isolation, steady-state hypothesis and rollback (harness/isolation.py, steady.py,
+    # rollback.py): where the game day runs, its probe agents, and their journal sections.
+    run_id: str = field(default_factory=run_id)
+    organisation: Organisation | None = None
+    probe_agents: list[str] = field(default_factory=list)
+    journal_sections: dict[str, Any] = field(default_factory=dict)
+    journal_path: Path | None = None
     started_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
     fake: Faker = field(init=False)
 
@@ -107,11 +115,12 @@ class GameDay:
         self.people["org_admin"] = await CoveyClient.signed_in(e.url, e.admin_email,
                                                                e.admin_password)
         for role in ROLES:
-            email = f"{role}.{self.fake.user_name()}.{self.seed}@{self.fake.domain_word()}.test"
+            # The run in the address: emails are unique across organisations, and a replay
+            # with the same seed must not sign in as an earlier game day's people.
+            email = (f"{role}.{self.fake.user_name()}.{self.seed}.{self.run_id}"
+                     f"@{self.fake.domain_word()}.test")
             password = self.fake.password(length=16)
-            r = await self.people["org_admin"].add_member(email, password, role)
-            if r.status_code != 409:  # 409: a target reused with the same seed has them
-                json_of(r, 201)
+            json_of(await self.people["org_admin"].add_member(email, password, role), 201)
             self.people[role] = await CoveyClient.signed_in(e.url, email, password)
 
     async def agent(self, behaviour: str, warm: bool = False) -> dict[str, Any]:
@@ -119,7 +128,7 @@ class GameDay:
         tool-call and time limits are out of reach: a game day's agents stop because of the
         switch or fault under test, not because a long-running behaviour used up its default
         20 steps (the loop detector, breakers and dollar budget still stand)."""
-        slug = f"{self.fake.slug()}-{len(self.agents)}-{self.seed}"[:60]
+        slug = agent_slug(self.run_id, len(self.agents) + 1, self.fake.slug())
         name = f"{self.fake.job()} bot"[:200]
         agent: dict[str, Any] = json_of(await self.people["org_admin"].create_agent(
             slug, name, warm_sandbox=warm, max_turns=GAME_DAY_MAX_TURNS,
@@ -264,8 +273,10 @@ class GameDay:
             "verdicts": [asdict(v) for v in verdicts],
             "notes": self.notes,
             "history": history_path.name,
+            **self.journal_sections,
         }
         path.write_text(json.dumps(document, indent=2, default=str))
+        self.journal_path = path
         return path
 
     def copy_faults(self) -> None:

@@ -788,6 +788,8 @@ class Nemesis:
         self._containers: dict[str, _ContainerFault] = {}  # by full id: one fault each
         self._container_locks: dict[str, asyncio.Lock] = {}
         self._ids = itertools.count(1)
+        # On a stack reused by several game days, each judges only the faults since its start.
+        self._since_ns = 0
 
     async def __aenter__(self) -> Nemesis:
         return self
@@ -1122,11 +1124,17 @@ class Nemesis:
                     healed.append(proxy_record)
         return healed
 
+    def begin_game_day(self) -> None:
+        """A new game day on the same stack: faults before now are no longer its own (they
+        were healed at the end of theirs)."""
+        self._since_ns = self._clock()
+
     def faults(self) -> list[FaultRecord]:
         """Every fault of the game day, by start time, as copies."""
         records = [*self._process_log, *self._container_log,
                    *(r for proxy in self._proxies.values() for r in proxy.fault_log())]
-        return sorted((dataclasses.replace(r) for r in records), key=lambda r: r.started_ns)
+        return sorted((dataclasses.replace(r) for r in records
+                       if r.started_ns >= self._since_ns), key=lambda r: r.started_ns)
 
     def fault_log(self) -> list[dict[str, Any]]:
         """The faults as plain data for the journal: kind, target, start and heal wall-clock

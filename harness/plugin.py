@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
@@ -15,7 +16,10 @@ from typing import Any, Protocol, cast
 import pytest
 
 from harness.gameday import GameDay
-from harness.stack import ContainersStack, ProcessesStack, Stack, TargetStack
+from harness.isolation import isolation_header
+from harness.rollback import RollbackFailed, roll_back_loudly
+from harness.stack import ContainersStack, Endpoints, ProcessesStack, Stack, TargetStack
+from harness.steady import SteadyStateNotMet, prepare
 from harness.verdicts import KNOWN_CHECKERS, broken_rules, render
 
 STACKS = ("containers", "processes", "target")
@@ -32,9 +36,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="with --stack target: an org admin's email")
     group.addoption("--target-password", default=os.environ.get("COVEY_TARGET_PASSWORD"),
                     help="with --stack target: that admin's password")
+    group.addoption("--target-platform-email",
+                    default=os.environ.get("COVEY_TARGET_PLATFORM_EMAIL"),
+                    help="with --stack target: a platform admin's email; then every game day "
+                         "runs in a fresh organisation of its own")
+    group.addoption("--target-platform-password",
+                    default=os.environ.get("COVEY_TARGET_PLATFORM_PASSWORD"),
+                    help="with --stack target: that platform admin's password")
     group.addoption("--puppet-port", type=int, default=None,
                     help="with --stack target: serve the puppet model on this port (the "
                          "deployment's COVEY_MODEL_URL points at it)")
+    group.addoption("--reuse-stack", action="store_true",
+                    help="bring the stack up once for the whole run (each game day still "
+                         "runs in an organisation of its own on it)")
     group.addoption("--agents", type=int, default=5, help="agents per game day (default 5)")
     group.addoption("--report-dir", default="reports", help="where journals go")
     group.addoption("--seed", type=int, default=None,
@@ -79,8 +93,17 @@ def _stack_name(config: pytest.Config) -> tuple[str, str]:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     name, why = _stack_name(config)
-    return [f"covey game day: stack={name} ({why}), agents={config.getoption('--agents')}, "
-            f"seed={_seed(config)}, reports in {config.getoption('--report-dir')}/"]
+    reused = ", one for the whole run" if config.getoption("--reuse-stack") else ""
+    return [f"covey game day: stack={name} ({why}{reused}), "
+            f"agents={config.getoption('--agents')}, "
+            f"seed={_seed(config)}, reports in {config.getoption('--report-dir')}/",
+            f"covey game day: {isolation_header(name, _platform_admin(config) is not None)}"]
+
+
+def _platform_admin(config: pytest.Config) -> tuple[str, str] | None:
+    email, password = (config.getoption("--target-platform-email"),
+                       config.getoption("--target-platform-password"))
+    return (email, password) if email and password else None
 
 
 def _seed(config: pytest.Config) -> int:
@@ -106,7 +129,9 @@ def make_stack(config: pytest.Config) -> Stack:
         if not (url and email and password):
             raise pytest.UsageError("--stack target needs --target-url, --target-email and "
                                     "--target-password (or COVEY_TARGET_* variables)")
-        return TargetStack(url, email, password, config.getoption("--puppet-port"))
+        platform = _platform_admin(config)
+        return TargetStack(url, email, password, config.getoption("--puppet-port"),
+                           *(platform or (None, None)))
     return ContainersStack(report_dir, image=_image())
 
 
@@ -118,21 +143,50 @@ def agents_per_game_day(request: pytest.FixtureRequest) -> int:
     return count
 
 
+@pytest.fixture(scope="session")
+async def reused_stack(request: pytest.FixtureRequest) -> AsyncIterator[Endpoints | None]:
+    """With --reuse-stack, the one stack of the run; else None (a stack per game day)."""
+    if not request.config.getoption("--reuse-stack"):
+        yield None
+        return
+    async with make_stack(request.config).up() as endpoints:
+        yield endpoints
+
+
 @pytest.fixture
-async def gameday(request: pytest.FixtureRequest) -> AsyncIterator[GameDay]:
-    """A stack brought up for this test, with its people enlisted; torn down afterwards,
-    also when the test fails."""
+async def gameday(request: pytest.FixtureRequest, reused_stack: Endpoints | None
+                  ) -> AsyncIterator[GameDay]:
+    """A stack brought up for this test (or the run's, with --reuse-stack), with the game
+    day's organisation and people, the steady-state hypothesis checked; rolled back and torn
+    down afterwards, also when the test fails."""
     config = request.config
-    stack = make_stack(config)
-    async with stack.up() as endpoints:
-        day = GameDay(name=request.node.name, stack=stack.name, endpoints=endpoints,
+    name, _ = _stack_name(config)
+    if reused_stack is not None:
+        reused_stack.nemesis.begin_game_day()
+    async with (contextlib.nullcontext(reused_stack) if reused_stack is not None
+                else make_stack(config).up()) as endpoints:
+        day = GameDay(name=request.node.name, stack=name, endpoints=endpoints,
                       seed=_seed(config), report_dir=Path(config.getoption("--report-dir")),
                       required=required_checkers(request.node))
         try:
-            await day.enlist()
+            refused: str | None = None
+            try:
+                await prepare(day)
+            except SteadyStateNotMet as not_met:
+                refused = str(not_met)
+            if refused is not None:  # outside the except: no chained traceback
+                pytest.fail(refused, pytrace=False)
             yield day
         finally:
-            await day.close()
+            left_standing: str | None = None
+            try:
+                await roll_back_loudly(day)
+            except RollbackFailed as failed:
+                left_standing = str(failed)
+            finally:
+                await day.close()
+            if left_standing is not None:  # loud, and without a traceback in the way
+                pytest.fail(left_standing, pytrace=False)
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Module | None:

@@ -45,6 +45,10 @@ class Endpoints:
     # The game day's faults; with a proxy named "control-channel" in front of the daemons'
     # WebSocket where the stack can place one (processes today).
     nemesis: Nemesis = field(default_factory=Nemesis)
+    # A platform admin of the deployment, when there is one: then each game day creates an
+    # organisation of its own (harness/isolation.py).
+    platform_email: str | None = None
+    platform_password: str | None = None
 
 
 class Stack(Protocol):
@@ -156,9 +160,12 @@ class ProcessesStack:
                        "COVEY_MODEL_URL": puppet_url, "COVEY_SANDBOX_BACKEND": "process"}
                 env.pop("COVEY_DAEMON_COMMAND", None)
                 admin = f"admin-{uuid.uuid4().hex[:6]}@gameday.test"
+                platform = f"platform-{uuid.uuid4().hex[:6]}@gameday.test"
                 boot = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "covey", "bootstrap", "--org", "gameday",
-                    "--admin-email", admin, "--admin-password", ADMIN_PASSWORD, env=env,
+                    "--admin-email", admin, "--admin-password", ADMIN_PASSWORD,
+                    "--platform-admin-email", platform,
+                    "--platform-admin-password", ADMIN_PASSWORD, env=env,
                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
                 _, err = await boot.communicate()
                 if boot.returncode != 0:
@@ -171,7 +178,8 @@ class ProcessesStack:
                 health = await wait_until_healthy(url, 60, plane)
                 yield Endpoints(url, admin, ADMIN_PASSWORD, puppet, puppet_url,
                                 {"covey": health.get("version", "?"),
-                                 "python": sys.version.split()[0]}, nemesis)
+                                 "python": sys.version.split()[0]}, nemesis,
+                                platform, ADMIN_PASSWORD)
         finally:
             if plane is not None and plane.returncode is None:
                 # SIGTERM: the control plane destroys its sandboxes on the way out.
@@ -197,6 +205,8 @@ class TargetStack:
     admin_email: str
     admin_password: str
     puppet_port: int | None = None
+    platform_email: str | None = None
+    platform_password: str | None = None
     name: str = "target"
 
     @asynccontextmanager
@@ -206,7 +216,9 @@ class TargetStack:
         async with serve_puppet(puppet, self.puppet_port) as puppet_url:
             yield Endpoints(self.url.rstrip("/"), self.admin_email, self.admin_password,
                             LocalPuppet(puppet), puppet_url, {"covey": health.get("version", "?"),
-                                         "python": sys.version.split()[0]})
+                                         "python": sys.version.split()[0]},
+                            platform_email=self.platform_email,
+                            platform_password=self.platform_password)
 
 
 # Postgres from the stack's own image: initdb, trust the game day's network (it is the game
@@ -337,6 +349,7 @@ class ContainersStack:
                                                             "--port", "9000"]),
                                     (9000, puppet_port))
             admin = f"admin-{gameday}@gameday.test"
+            platform = f"platform-{gameday}@gameday.test"
             env = {
                 "DATABASE_URL": "postgresql://postgres@postgres:5432/postgres",
                 "COVEY_DATA_DIR": str(workdir / "data"),
@@ -347,7 +360,8 @@ class ContainersStack:
                 "COVEY_MODEL_URL": "http://puppet:9000/v1",
             }
             serve = (f"covey bootstrap --org gameday --admin-email {admin} "
-                     f"--admin-password {ADMIN_PASSWORD} && "
+                     f"--admin-password {ADMIN_PASSWORD} --platform-admin-email {platform} "
+                     f"--platform-admin-password {ADMIN_PASSWORD} && "
                      "exec covey serve --host 0.0.0.0 --port 8080")
             plane = await asyncio.to_thread(start, DockerContainer(self.image)
                                             .with_network(network)
@@ -377,7 +391,8 @@ class ContainersStack:
                                 RemotePuppet(f"http://127.0.0.1:{puppet_port}"),
                                 "http://puppet:9000/v1",
                                 {"covey": health.get("version", "?"), "image": self.image,
-                                 "python": sys.version.split()[0]}, nemesis)
+                                 "python": sys.version.split()[0]}, nemesis,
+                                platform, ADMIN_PASSWORD)
         finally:
             await asyncio.to_thread(self._tear_down, containers, network, gameday, workdir)
 

@@ -196,6 +196,9 @@ class FleetOut(BaseModel):
     org_id: UUID
     fleet_killed: bool
     fleet_killed_at: datetime | None
+    # Who pulled the standing stop (their email): a game day that finds the fleet stopped
+    # must say whose stop it is before anyone releases it.
+    fleet_killed_by: str | None = None
     agents: int
     agents_killed: int
     agents_working: int
