@@ -1,26 +1,34 @@
 """The `gameday` command line.
 
+    gameday run [SCENARIO...] [--stack processes] [--agents 5] [--seed 7]
+    gameday report JOURNAL       gameday trend       gameday gate
     gameday load --users 50 --spawn-rate 10 --run-time 2m --agents 20 [--stack processes]
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
+import pytest
 import typer
 from rich.console import Console
+from rich.logging import RichHandler
 from rich.table import Table
 
 from harness.load.runner import LoadPlan, LoadResult, load_environment, prepare_fleet, run_load
 from harness.load.runner import run_seconds as _run_seconds
+from harness.report import runs
+from harness.report.page import write_page
+from harness.report.trend import write_index
 from harness.stack import ContainersStack, ProcessesStack, Stack, TargetStack
 
 app = typer.Typer(help="Game days for the kill switches of a covey agent fleet.",
-                  no_args_is_help=True, add_completion=False)
+                  no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 console = Console()
 
 
@@ -48,6 +56,100 @@ def make_stack(stack: StackName, report_dir: Path, target_url: str | None,
                                  "--target-password (or COVEY_TARGET_* variables)",
                                  param_hint="--stack")
     return TargetStack(target_url, target_email, target_password, puppet_port)
+
+
+ReportDir = Annotated[Path, typer.Option(help="where journals and pages are")]
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run(
+    context: typer.Context,
+    scenarios: Annotated[list[str] | None, typer.Argument(
+        help="game days to run (files or pytest node ids); default: every one in "
+             "scenarios/")] = None,
+    stack: Annotated[StackName | None, typer.Option(
+        help="where the system runs (default: containers where a Docker engine has the "
+             "stack's image, else processes)")] = None,
+    agents: Annotated[int, typer.Option(help="agents per game day")] = 5,
+    seed: Annotated[int | None, typer.Option(help="replay the same people and agents")]
+        = None,
+    report_dir: ReportDir = Path("reports"),
+) -> None:
+    """Run game days (pytest underneath: the same as `pytest scenarios/...`), showing each
+    phase as it happens, and end with the summary. Options pytest knows may follow, e.g.
+    `gameday run scenarios/fleet_stop.py -x --junitxml=gameday.xml`."""
+    # This command is the harness package already imported, so pytest cannot rewrite the
+    # asserts of the plugin's own modules (it warns); they carry their messages themselves.
+    # Game-day modules are imported by pytest and rewritten as ever.
+    args = [*(scenarios or ["scenarios"]), "--agents", str(agents),
+            "--report-dir", str(report_dir), "-p", "no:cacheprovider",
+            "-W", "ignore:Module already imported so cannot be rewritten",
+            *context.args]
+    if stack is not None:
+        args += ["--stack", stack.value]
+    if seed is not None:
+        args += ["--seed", str(seed)]
+    # pytest captures file descriptors 1 and 2 while a test runs; the phases go to a copy of
+    # the terminal's so that they show as they happen, not after the game day.
+    terminal = Console(file=os.fdopen(os.dup(1), "w", buffering=1), highlight=False)
+    handler = RichHandler(console=terminal, show_path=False, markup=False,
+                          log_time_format="[%H:%M:%S]")
+    phases = logging.getLogger("harness.gameday")
+    phases.setLevel(logging.INFO)
+    phases.addHandler(handler)
+    try:
+        code = pytest.main(args)
+    finally:
+        phases.removeHandler(handler)
+    raise typer.Exit(int(code))
+
+
+@app.command()
+def report(journal: Annotated[Path, typer.Argument(help="a game day's journal (.json)",
+                                                   exists=True, dir_okay=False)]) -> None:
+    """Render (again) the page of a game day from its journal and history."""
+    console.print(f"page: {write_page(journal)}")
+
+
+@app.command()
+def trend(report_dir: ReportDir = Path("reports")) -> None:
+    """Every scenario over time: a table here and an index page of the report directory."""
+    runs.index(report_dir)
+    all_runs = runs.runs(report_dir)
+    table = Table(title=f"game days in {report_dir}/ ({len(all_runs)} runs)")
+    for column in ("scenario", "stack", "agents", "runs", "latest", "status",
+                   "daemon exit p99 ms", "total p99 ms"):
+        table.add_column(column)
+    for (scenario, stack, agents), group_runs in sorted(runs.groups(all_runs).items()):
+        latest = group_runs[-1]
+        table.add_row(scenario, stack, str(agents), str(len(group_runs)), latest.started_at,
+                      latest.status, *(f"{latest.p99_us[p] / 1000:.1f}" if p in latest.p99_us
+                                       else "-" for p in ("daemon_exit", "total")))
+    console.print(table)
+    console.print(f"index page: {write_index(report_dir)}")
+
+
+@app.command()
+def gate(
+    report_dir: ReportDir = Path("reports"),
+    ratio: Annotated[float, typer.Option(help="fail when a p99 is more than this times the "
+                                              "median of earlier comparable runs")] = 2.0,
+    min_delta_ms: Annotated[float, typer.Option(help="... and worse by more than this "
+                                                     "(noise floor)")] = 50.0,
+    window: Annotated[int, typer.Option(help="earlier comparable runs to take the median "
+                                             "of")] = 10,
+    min_runs: Annotated[int, typer.Option(help="earlier runs needed before a p99 is "
+                                               "compared")] = 3,
+    scenario: Annotated[str | None, typer.Option(help="gate only this game day")] = None,
+) -> None:
+    """Exit 1 when the latest run of a scenario failed a verdict or got slower than its
+    history allows, with one line that says why; exit 0 with the figures otherwise."""
+    runs.index(report_dir)
+    result = runs.gate(runs.runs(report_dir), ratio=ratio, window=window, min_runs=min_runs,
+                       min_delta_ms=min_delta_ms, scenario=scenario)
+    for line in result.lines:
+        console.print(line, style=None if result.passed else "red", highlight=False)
+    raise typer.Exit(0 if result.passed else 1)
 
 
 @app.command()

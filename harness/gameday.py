@@ -7,6 +7,7 @@ The scenario does; this records. Judging is the checkers' job, after the fact.
 from __future__ import annotations
 
 import json
+import logging
 import platform
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -22,8 +23,11 @@ from harness.checkers import FinalAgent, FinalState, FinalTask, Verdict, check_a
 from harness.client import CoveyClient, json_of
 from harness.history import History
 from harness.measure import TimeToStop, summarize, time_to_stop
+from harness.report.page import write_page
 from harness.stack import Endpoints
 
+# The game day's phases as they happen, for whoever listens (`gameday run` shows them).
+phases = logging.getLogger("harness.gameday")
 ROLES = ("agent_owner", "security", "auditor", "controlling")
 GAME_DAY_MAX_TURNS = 10_000
 GAME_DAY_GUARD = {"max_tokens": 10_000_000, "max_tool_calls": 100_000, "max_wall_s": 3600.0}
@@ -67,6 +71,8 @@ class GameDay:
     steady_state: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     started_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
+    scenario: str = ""  # the pytest node id: what the replay command runs
+    journals: list[Path] = field(default_factory=list)  # written by this game day
     fake: Faker = field(init=False)
 
     def __post_init__(self) -> None:
@@ -123,6 +129,7 @@ class GameDay:
             self.history.complete(invoke, "info", {"error": repr(exc)})
             raise
         outcome: Literal["ok", "fail"] = "ok" if r.is_success else "fail"
+        phases.info("%s: %s answered %s", role, f, r.status_code)
         body = r.json() if r.headers.get("content-type", "").startswith("application/json") \
             else {}
         self.history.complete(invoke, outcome, {"status": r.status_code, "body": body})
@@ -197,6 +204,7 @@ class GameDay:
         self.history.to_jsonl(history_path)
         document = {
             "game_day": self.name,
+            "scenario": self.scenario,
             "status": status,
             "started_at": self.started_at,
             "ended_at": datetime.now(UTC).isoformat(),
@@ -215,6 +223,12 @@ class GameDay:
             "history": history_path.name,
         }
         path.write_text(json.dumps(document, indent=2, default=str))
+        self.journals.append(path)
+        try:
+            write_page(path)
+        except Exception:  # the journal stands without its page; the log says why
+            phases.exception("the page of %s could not be rendered", path)
+        phases.info("journal %s (%s)", path, status)
         return path
 
     def copy_faults(self) -> None:
@@ -229,6 +243,7 @@ class GameDay:
 
     async def judge(self) -> tuple[list[Verdict], list[TimeToStop], FinalState]:
         """Judge after the fact. Faults still standing are judged as they are: unhealed."""
+        phases.info("judging the history")
         await self.endpoints.nemesis.refresh()
         self.copy_faults()
         await self.copy_ledger()

@@ -12,8 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.gameday import GameDay
+from harness.gameday import GameDay, phases
+from harness.report.summary import pytest_sessionfinish, pytest_terminal_summary, record
 from harness.stack import ContainersStack, ProcessesStack, Stack, TargetStack
+
+# Hooks of the report's, found by pytest under these names in this plugin module.
+__all__ = ["pytest_sessionfinish", "pytest_terminal_summary"]
 
 STACKS = ("containers", "processes", "target")
 
@@ -121,14 +125,20 @@ async def gameday(request: pytest.FixtureRequest) -> AsyncIterator[GameDay]:
     also when the test fails."""
     config = request.config
     stack = make_stack(config)
+    phases.info("%s: bringing the %s stack up", request.node.name, stack.name)
     async with stack.up() as endpoints:
         day = GameDay(name=request.node.name, stack=stack.name, endpoints=endpoints,
-                      seed=_seed(config), report_dir=Path(config.getoption("--report-dir")))
+                      seed=_seed(config), report_dir=Path(config.getoption("--report-dir")),
+                      scenario=request.node.nodeid)
         try:
+            phases.info("stack up at %s; enlisting the game day's people", endpoints.url)
             await day.enlist()
+            phases.info("the scenario runs")
             yield day
         finally:
             await day.close()
+            record(request.node, day.journals)
+            phases.info("tearing the %s stack down", stack.name)
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Module | None:
