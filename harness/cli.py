@@ -81,7 +81,12 @@ def run(
     # This command is the harness package already imported, so pytest cannot rewrite the
     # asserts of the plugin's own modules (it warns); they carry their messages themselves.
     # Game-day modules are imported by pytest and rewritten as ever.
-    args = [*(scenarios or ["scenarios"]), "--agents", str(agents),
+    given = scenarios or []
+    # Click hands pytest's own options (-x, -k EXPR) over among the arguments: without a
+    # file or node id among them, the game days are scenarios/ (not the whole test suite).
+    named = any(a.endswith(".py") or "::" in a or a.rstrip("/").endswith("scenarios")
+                or Path(a).is_dir() for a in given if not a.startswith("-"))
+    args = [*given, *([] if named else ["scenarios"]), "--agents", str(agents),
             "--report-dir", str(report_dir), "-p", "no:cacheprovider",
             "-W", "ignore:Module already imported so cannot be rewritten",
             *context.args]
@@ -148,7 +153,9 @@ def gate(
     result = runs.gate(runs.runs(report_dir), ratio=ratio, window=window, min_runs=min_runs,
                        min_delta_ms=min_delta_ms, scenario=scenario)
     for line in result.lines:
-        console.print(line, style=None if result.passed else "red", highlight=False)
+        # One line each, never wrapped: CI logs and people grep them.
+        console.print(line, style=None if result.passed else "red", highlight=False,
+                      soft_wrap=True)
     raise typer.Exit(0 if result.passed else 1)
 
 
