@@ -26,6 +26,7 @@ def json_of(response: httpx.Response, expected: int = 200) -> Any:
 
 class CoveyClient:
     def __init__(self, base_url: str, token: str | None = None, timeout: float = 30) -> None:
+        self.token = token  # handed on to processes that act as the same human (load)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout)
 

@@ -7,6 +7,7 @@ The scenario does; this records. Judging is the checkers' job, after the fact.
 from __future__ import annotations
 
 import json
+import logging
 import platform
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -33,6 +34,8 @@ from harness.measure import TimeToStop, summarize, time_to_stop
 from harness.stack import Endpoints
 from harness.verdicts import broken_rules
 
+# The game day's phases as they happen, for whoever listens (`gameday run` shows them).
+phases = logging.getLogger("harness.gameday")
 ROLES = ("agent_owner", "security", "auditor", "controlling")
 GAME_DAY_MAX_TURNS = 10_000
 GAME_DAY_GUARD = {"max_tokens": 10_000_000, "max_tool_calls": 100_000, "max_wall_s": 3600.0}
@@ -100,6 +103,7 @@ class GameDay:
     journal_sections: dict[str, Any] = field(default_factory=dict)
     journal_path: Path | None = None
     started_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
+    scenario: str = ""  # the pytest node id: what the replay command runs
     fake: Faker = field(init=False)
 
     def __post_init__(self) -> None:
@@ -157,6 +161,7 @@ class GameDay:
             self.history.complete(invoke, "info", {"error": repr(exc)})
             raise
         outcome: Literal["ok", "fail"] = "ok" if r.is_success else "fail"
+        phases.info("%s: %s answered %s", role, f, r.status_code)
         body = r.json() if r.headers.get("content-type", "").startswith("application/json") \
             else {}
         self.history.complete(invoke, outcome, {"status": r.status_code, "body": body})
@@ -257,6 +262,7 @@ class GameDay:
         self.history.to_jsonl(history_path)
         document = {
             "game_day": self.name,
+            "scenario": self.scenario,
             "status": status,
             "started_at": self.started_at,
             "ended_at": datetime.now(UTC).isoformat(),
@@ -277,6 +283,7 @@ class GameDay:
         }
         path.write_text(json.dumps(document, indent=2, default=str))
         self.journal_path = path
+        phases.info("journal %s (%s)", path, status)
         return path
 
     def copy_faults(self) -> None:
@@ -291,6 +298,7 @@ class GameDay:
 
     async def judge(self) -> tuple[list[Verdict], list[TimeToStop], FinalState]:
         """Judge after the fact. Faults still standing are judged as they are: unhealed."""
+        phases.info("judging the history")
         await self.endpoints.nemesis.refresh()
         self.copy_faults()
         await self.copy_ledger()

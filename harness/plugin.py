@@ -15,12 +15,20 @@ from typing import Any, Protocol, cast
 
 import pytest
 
-from harness.gameday import GameDay
+from harness.gameday import GameDay, phases
 from harness.isolation import isolation_header
+from harness.report.summary import (
+    game_day_written,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
 from harness.rollback import RollbackFailed, roll_back_loudly
 from harness.stack import ContainersStack, Endpoints, ProcessesStack, Stack, TargetStack
 from harness.steady import SteadyStateNotMet, prepare
 from harness.verdicts import KNOWN_CHECKERS, broken_rules, render
+
+# Hooks of the report's, found by pytest under these names in this plugin module.
+__all__ = ["pytest_sessionfinish", "pytest_terminal_summary"]
 
 STACKS = ("containers", "processes", "target")
 
@@ -163,12 +171,16 @@ async def gameday(request: pytest.FixtureRequest, reused_stack: Endpoints | None
     name, _ = _stack_name(config)
     if reused_stack is not None:
         reused_stack.nemesis.begin_game_day()
+    else:
+        phases.info("%s: bringing the %s stack up", request.node.name, name)
     async with (contextlib.nullcontext(reused_stack) if reused_stack is not None
                 else make_stack(config).up()) as endpoints:
         day = GameDay(name=request.node.name, stack=name, endpoints=endpoints,
                       seed=_seed(config), report_dir=Path(config.getoption("--report-dir")),
-                      required=required_checkers(request.node))
+                      required=required_checkers(request.node), scenario=request.node.nodeid)
         try:
+            phases.info("stack up at %s; the steady-state hypothesis, the game day's people",
+                        endpoints.url)
             refused: str | None = None
             try:
                 await prepare(day)
@@ -176,15 +188,19 @@ async def gameday(request: pytest.FixtureRequest, reused_stack: Endpoints | None
                 refused = str(not_met)
             if refused is not None:  # outside the except: no chained traceback
                 pytest.fail(refused, pytrace=False)
+            phases.info("the scenario runs")
             yield day
         finally:
             left_standing: str | None = None
             try:
+                phases.info("rolling the game day back")
                 await roll_back_loudly(day)
             except RollbackFailed as failed:
                 left_standing = str(failed)
             finally:
                 await day.close()
+                # The page after the rollback: it shows what was restored.
+                game_day_written(request.node, day.journal_path)
             if left_standing is not None:  # loud, and without a traceback in the way
                 pytest.fail(left_standing, pytrace=False)
 

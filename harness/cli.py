@@ -1,0 +1,249 @@
+"""The `gameday` command line.
+
+    gameday run [SCENARIO...] [--stack processes] [--agents 5] [--seed 7]
+    gameday report JOURNAL       gameday trend       gameday gate
+    gameday load --users 50 --spawn-rate 10 --run-time 2m --agents 20 [--stack processes]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import pytest
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+from harness.load.runner import LoadPlan, LoadResult, load_environment, prepare_fleet, run_load
+from harness.load.runner import run_seconds as _run_seconds
+from harness.report import runs
+from harness.report.page import write_page
+from harness.report.trend import write_index
+from harness.stack import ContainersStack, ProcessesStack, Stack, TargetStack
+
+app = typer.Typer(help="Game days for the kill switches of a covey agent fleet.",
+                  no_args_is_help=True, add_completion=False, rich_markup_mode=None)
+console = Console()
+
+
+class StackName(StrEnum):
+    containers = "containers"
+    processes = "processes"
+    target = "target"
+
+
+@app.callback()
+def main() -> None:
+    """Game days for the kill switches of a covey agent fleet: `gameday COMMAND --help`."""
+
+
+def make_stack(stack: StackName, report_dir: Path, target_url: str | None,
+               target_email: str | None, target_password: str | None,
+               puppet_port: int | None) -> Stack:
+    if stack is StackName.processes:
+        return ProcessesStack(report_dir)
+    if stack is StackName.containers:
+        return ContainersStack(report_dir, image=os.environ.get("COVEY_SANDBOX_IMAGE",
+                                                                "covey-gameday:latest"))
+    if not (target_url and target_email and target_password):
+        raise typer.BadParameter("--stack target needs --target-url, --target-email and "
+                                 "--target-password (or COVEY_TARGET_* variables)",
+                                 param_hint="--stack")
+    return TargetStack(target_url, target_email, target_password, puppet_port)
+
+
+ReportDir = Annotated[Path, typer.Option(help="where journals and pages are")]
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run(
+    context: typer.Context,
+    scenarios: Annotated[list[str] | None, typer.Argument(
+        help="game days to run (files or pytest node ids); default: every one in "
+             "scenarios/")] = None,
+    stack: Annotated[StackName | None, typer.Option(
+        help="where the system runs (default: containers where a Docker engine has the "
+             "stack's image, else processes)")] = None,
+    agents: Annotated[int, typer.Option(help="agents per game day")] = 5,
+    seed: Annotated[int | None, typer.Option(help="replay the same people and agents")]
+        = None,
+    report_dir: ReportDir = Path("reports"),
+) -> None:
+    """Run game days (pytest underneath: the same as `pytest scenarios/...`), showing each
+    phase as it happens, and end with the summary. Options pytest knows may follow, e.g.
+    `gameday run scenarios/fleet_stop.py -x --junitxml=gameday.xml`."""
+    # This command is the harness package already imported, so pytest cannot rewrite the
+    # asserts of the plugin's own modules (it warns); they carry their messages themselves.
+    # Game-day modules are imported by pytest and rewritten as ever.
+    given = scenarios or []
+    # Click hands pytest's own options (-x, -k EXPR) over among the arguments: without a
+    # file or node id among them, the game days are scenarios/ (not the whole test suite).
+    named = any(a.endswith(".py") or "::" in a or a.rstrip("/").endswith("scenarios")
+                or Path(a).is_dir() for a in given if not a.startswith("-"))
+    args = [*given, *([] if named else ["scenarios"]), "--agents", str(agents),
+            "--report-dir", str(report_dir), "-p", "no:cacheprovider",
+            "-W", "ignore:Module already imported so cannot be rewritten",
+            *context.args]
+    if stack is not None:
+        args += ["--stack", stack.value]
+    if seed is not None:
+        args += ["--seed", str(seed)]
+    # pytest captures file descriptors 1 and 2 while a test runs; the phases go to a copy of
+    # the terminal's so that they show as they happen, not after the game day.
+    terminal = Console(file=os.fdopen(os.dup(1), "w", buffering=1), highlight=False)
+    handler = RichHandler(console=terminal, show_path=False, markup=False,
+                          log_time_format="[%H:%M:%S]")
+    phases = logging.getLogger("harness.gameday")
+    phases.setLevel(logging.INFO)
+    phases.addHandler(handler)
+    try:
+        code = pytest.main(args)
+    finally:
+        phases.removeHandler(handler)
+    raise typer.Exit(int(code))
+
+
+@app.command()
+def report(journal: Annotated[Path, typer.Argument(help="a game day's journal (.json)",
+                                                   exists=True, dir_okay=False)]) -> None:
+    """Render (again) the page of a game day from its journal and history."""
+    console.print(f"page: {write_page(journal)}")
+
+
+@app.command()
+def trend(report_dir: ReportDir = Path("reports")) -> None:
+    """Every scenario over time: a table here and an index page of the report directory."""
+    runs.index(report_dir)
+    all_runs = runs.runs(report_dir)
+    table = Table(title=f"game days in {report_dir}/ ({len(all_runs)} runs)")
+    for column in ("scenario", "stack", "agents", "runs", "latest", "status",
+                   "daemon exit p99 ms", "total p99 ms"):
+        table.add_column(column)
+    for (scenario, stack, agents), group_runs in sorted(runs.groups(all_runs).items()):
+        latest = group_runs[-1]
+        table.add_row(scenario, stack, str(agents), str(len(group_runs)), latest.started_at,
+                      latest.status, *(f"{latest.p99_us[p] / 1000:.1f}" if p in latest.p99_us
+                                       else "-" for p in ("daemon_exit", "total")))
+    console.print(table)
+    console.print(f"index page: {write_index(report_dir)}")
+
+
+@app.command()
+def gate(
+    report_dir: ReportDir = Path("reports"),
+    ratio: Annotated[float, typer.Option(help="fail when a p99 is more than this times the "
+                                              "median of earlier comparable runs")] = 2.0,
+    min_delta_ms: Annotated[float, typer.Option(help="... and worse by more than this "
+                                                     "(noise floor)")] = 50.0,
+    window: Annotated[int, typer.Option(help="earlier comparable runs to take the median "
+                                             "of")] = 10,
+    min_runs: Annotated[int, typer.Option(help="earlier runs needed before a p99 is "
+                                               "compared")] = 3,
+    scenario: Annotated[str | None, typer.Option(help="gate only this game day")] = None,
+) -> None:
+    """Exit 1 when the latest run of a scenario failed a verdict or got slower than its
+    history allows, with one line that says why; exit 0 with the figures otherwise."""
+    runs.index(report_dir)
+    result = runs.gate(runs.runs(report_dir), ratio=ratio, window=window, min_runs=min_runs,
+                       min_delta_ms=min_delta_ms, scenario=scenario)
+    for line in result.lines:
+        # One line each, never wrapped: CI logs and people grep them.
+        console.print(line, style=None if result.passed else "red", highlight=False,
+                      soft_wrap=True)
+    raise typer.Exit(0 if result.passed else 1)
+
+
+@app.command()
+def load(
+    users: Annotated[int, typer.Option(help="operators reading and writing, beside the "
+                                            "killers")] = 10,
+    spawn_rate: Annotated[float, typer.Option(help="users started per second")] = 5.0,
+    run_time: Annotated[str, typer.Option(help="how long the load runs: 20s, 2m, 1h")] = "1m",
+    agents: Annotated[int, typer.Option(help="working agents the load runs against")] = 10,
+    killers: Annotated[int, typer.Option(help="on-call engineers pulling agent switches, "
+                                              "each a kill every 1-2 s")] = 1,
+    stack: Annotated[StackName, typer.Option(help="where the control plane runs")]
+        = StackName.processes,
+    processes: Annotated[int, typer.Option(help="Locust worker processes on this machine "
+                                                "(Locust's --processes)")] = 1,
+    master: Annotated[int, typer.Option(help="run Locust as a master that waits for this "
+                                             "many `locust --worker`s (from other machines)",
+                                        metavar="WORKERS")] = 0,
+    kill_bound_ms: Annotated[float, typer.Option(help="a kill whose daemon exits later than "
+                                                      "this failed")] = 5000.0,
+    max_kill_p99_ms: Annotated[float | None, typer.Option(
+        help="fail when kill → daemon exited p99 is over this")] = None,
+    report_dir: Annotated[Path, typer.Option(help="where the reports go")] = Path("reports"),
+    target_url: Annotated[str | None, typer.Option(envvar="COVEY_TARGET_URL")] = None,
+    target_email: Annotated[str | None, typer.Option(envvar="COVEY_TARGET_EMAIL")] = None,
+    target_password: Annotated[str | None, typer.Option(envvar="COVEY_TARGET_PASSWORD")]
+        = None,
+    puppet_port: Annotated[int | None, typer.Option(help="with --stack target: serve the "
+                                                         "puppet model on this port")] = None,
+) -> None:
+    """Locust load on the control plane while killers pull agent switches: kill →
+    acknowledged, → daemon exited and → task open as request type KILL. Exits 1 when a kill
+    failed (the agent acted after the acknowledgement, its daemon did not exit 3, or it took
+    longer than --kill-bound-ms), when a request failed, or when the p99 is over the gate."""
+    if min(users, agents, killers, processes) < 0 or agents < 1 or killers < 1:
+        raise typer.BadParameter("--agents and --killers must be at least 1, --users and "
+                                 "--processes at least 0")
+    try:
+        _run_seconds(run_time)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--run-time") from None
+    plan = LoadPlan(users=users, spawn_rate=spawn_rate, run_time=run_time,
+                    processes=processes, killers=killers, kill_bound_ms=kill_bound_ms,
+                    max_kill_p99_ms=max_kill_p99_ms, master_workers=master)
+    chosen = make_stack(stack, report_dir, target_url, target_email, target_password,
+                        puppet_port)
+    result = asyncio.run(_load(chosen, plan, agents, report_dir))
+    show(result)
+    raise typer.Exit(0 if result.passed else 1)
+
+
+async def _load(stack: Stack, plan: LoadPlan, agents: int, report_dir: Path) -> LoadResult:
+    with console.status(f"bringing the {stack.name} stack up") as status:
+        async with stack.up() as endpoints:
+            status.update(f"{agents} agents getting to work")
+            fleet = await prepare_fleet(endpoints, agents)
+            if plan.master_workers:
+                worker_env = report_dir / "load-worker.env"
+                worker_env.write_text("".join(f"{k}={v}\n" for k, v in
+                                              load_environment(fleet, plan).items()))
+                worker_env.chmod(0o600)
+                console.print(f"waiting for {plan.master_workers} worker(s): on each, with "
+                              f"the variables of {worker_env}, run `locust -f "
+                              "harness/load/locustfile.py --worker --master-host THIS_HOST`")
+            status.update(f"Locust: {plan.users} users and {plan.killers} killer(s) for "
+                          f"{plan.run_time}")
+            result = await run_load(endpoints, fleet, plan, report_dir)
+            status.update(f"tearing the {stack.name} stack down")
+    return result
+
+
+def show(result: LoadResult) -> None:
+    table = Table(title=f"kill under load: {result.plan.users} users, {result.kills} kills, "
+                        f"{result.requests_per_s} requests/s")
+    for column in ("part", "count", "p50 ms", "p90 ms", "p99 ms", "max ms"):
+        table.add_column(column, justify="left" if column == "part" else "right")
+    for part, p in result.parts_us.items():
+        table.add_row(part, str(p["count"]), *(f"{p[k] / 1000:.1f}" for k in
+                                                ("p50_us", "p90_us", "p99_us", "max_us")))
+    console.print(table)
+    for name, path in result.files.items():
+        console.print(f"{name}: {path}")
+    if result.passed:
+        console.print("[green]every kill held[/green]")
+    for problem in result.problems:
+        console.print(f"[red]{problem}[/red]")
+
+
+if __name__ == "__main__":
+    app()

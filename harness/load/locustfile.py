@@ -1,0 +1,268 @@
+"""Locust load on a covey control plane, with the kill switch measured as its own request
+type (DESIGN §3 "load"). Runnable by itself:
+
+    locust -f harness/load/locustfile.py --host http://127.0.0.1:8080
+
+with the environment that `gameday load` sets up for it (`COVEY_LOAD_*`, below), or by
+`gameday load`, which brings the stack and its working agents up first. Locust's gevent
+monkey-patches the standard library: this file runs in Locust's own processes only, never
+inside pytest or an asyncio service.
+
+Operators read and write as people do (agents, backlogs, recordings, new tasks, heartbeat
+fires). Killers pick a working agent, pull its switch and report three request types of
+type `KILL`: kill → acknowledged (the switch's answer), kill → daemon exited (the sandbox's
+exit as the control plane recorded it) and kill → task open (the work back in the backlog);
+then they resume the agent. A kill fails, as a Locust failure with its reason, when the
+agent's model saw a request after the kill was acknowledged (the puppet's ledger), when the
+daemon did not exit with code 3, or when a part took longer than the bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from locust import HttpUser, between, events, task
+from locust.env import Environment
+from locust.runners import MasterRunner
+
+KILL = "KILL"
+ACKNOWLEDGED = "kill → acknowledged"
+DAEMON_EXITED = "kill → daemon exited"
+TASK_OPEN = "kill → task open"
+HELD = "kill held"  # the whole kill: its failure says which rule broke
+# A 409 with this error is the control plane refusing to start a stopped agent: the right
+# answer while a killer holds that agent, not a failure of the load.
+STOPPED = "Agent or fleet is stopped"
+POLL_S = 0.02
+
+
+def _env(name: str, default: str | None = None) -> str:
+    value = os.environ.get(name, default)
+    if value is None:
+        raise RuntimeError(f"{name} is not set: run this file through `gameday load`, or set "
+                           "the COVEY_LOAD_* variables its docstring names")
+    return value
+
+
+class KillFailed(Exception):
+    """A kill that did not hold: the reason is what Locust's failure table shows."""
+
+
+class CoveyUser(HttpUser):
+    abstract = True
+    token_variable = ""
+
+    def on_start(self) -> None:
+        self.client.headers["Authorization"] = f"Bearer {_env(self.token_variable)}"
+        self.prefix = _env("COVEY_LOAD_AGENT_PREFIX", "")
+
+    def load_agents(self) -> list[dict[str, Any]]:
+        r = self.client.get("/api/v1/agents", name="/api/v1/agents")
+        if not r.ok:
+            return []
+        agents: list[dict[str, Any]] = r.json()
+        return [a for a in agents if a["slug"].startswith(self.prefix)]
+
+
+class Operator(CoveyUser):
+    """Somebody at work: reads most of the time, now and then gives an agent work."""
+
+    weight = int(os.environ.get("COVEY_LOAD_OPERATOR_WEIGHT", "10"))
+    wait_time = between(0.5, 2.0)
+    token_variable = "COVEY_LOAD_OPERATOR_TOKEN"
+
+    def on_start(self) -> None:
+        super().on_start()
+        self.agents = self.load_agents()
+
+    def an_agent(self) -> dict[str, Any] | None:
+        return random.choice(self.agents) if self.agents else None
+
+    @task(4)
+    def list_agents(self) -> None:
+        self.agents = self.load_agents() or self.agents
+
+    @task(3)
+    def read_backlog(self) -> None:
+        if agent := self.an_agent():
+            self.client.get(f"/api/v1/agents/{agent['id']}/backlog",
+                            name="/api/v1/agents/[id]/backlog")
+
+    @task(2)
+    def read_recording(self) -> None:
+        if agent := self.an_agent():
+            self.client.get(f"/api/v1/agents/{agent['id']}/recording",
+                            name="/api/v1/agents/[id]/recording")
+
+    @task(1)
+    def create_task(self) -> None:
+        if agent := self.an_agent():
+            self.client.post(f"/api/v1/agents/{agent['id']}/tasks",
+                             json={"title": "load: look into the latest orders", "body": ""},
+                             name="/api/v1/agents/[id]/tasks")
+
+    @task(1)
+    def fire_heartbeat(self) -> None:
+        if agent := self.an_agent():
+            with self.client.post(f"/api/v1/agents/{agent['id']}/heartbeats/load/fire",
+                                  name="/api/v1/agents/[id]/heartbeats/[name]/fire",
+                                  catch_response=True) as r:
+                if r.status_code == 409 and r.json().get("error") == STOPPED:
+                    r.success()  # a killer holds this agent: the refusal is the rule
+
+
+class Killer(CoveyUser):
+    """The on-call engineer pulling one agent's switch, again and again."""
+
+    fixed_count = int(os.environ.get("COVEY_LOAD_KILLERS", "1"))
+    wait_time = between(1.0, 2.0)
+    token_variable = "COVEY_LOAD_KILLER_TOKEN"
+
+    def on_start(self) -> None:
+        super().on_start()
+        self.ledger_url = _env("COVEY_LOAD_PUPPET_URL").rstrip("/") + "/puppet/ledger"
+        self.bound_ms = float(_env("COVEY_LOAD_KILL_BOUND_MS", "5000"))
+        samples = os.environ.get("COVEY_LOAD_SAMPLES")
+        self.samples = Path(samples) / f"kills-{os.getpid()}-{id(self)}.jsonl" \
+            if samples else None
+
+    @task
+    def kill_a_working_agent(self) -> None:
+        working = [a for a in self.load_agents()
+                   if a["status"] == "working" and not a["killed"] and not a["fleet_killed"]]
+        if not working:
+            return
+        agent = random.choice(working)
+        path = f"/api/v1/agents/{agent['id']}"
+        held = {t["id"] for t in self._json(f"{path}/backlog", {"state": "in_progress"})}
+        invoked_ns = time.time_ns()
+        r = self.client.post(f"{path}/kill", name="/api/v1/agents/[id]/kill")
+        acknowledged_ns = time.time_ns()
+        if not r.ok:
+            return  # Locust has counted the failed request itself
+        report = r.json()
+        if report["already_killed"]:
+            return  # another killer got there first: its measurement, not ours
+        if not report["sessions_cancelled"]:
+            # Its session ended between the read and the kill: nothing was stopped, so there
+            # is nothing to time. Let it go and pick again.
+            self.client.post(f"{path}/resume", name="/api/v1/agents/[id]/resume")
+            return
+        sample: dict[str, Any] = {"agent_id": agent["id"], "invoked_ns": invoked_ns,
+                                  "acknowledged_ns": acknowledged_ns - invoked_ns,
+                                  "daemon_exited_ns": None, "task_open_ns": None,
+                                  "exit_codes": [], "failure": None}
+        try:
+            self._fire(ACKNOWLEDGED, sample["acknowledged_ns"])
+            exited, opened = self._stopped(path, report["sessions_cancelled"],
+                                           held | set(report["tasks_requeued"]), invoked_ns)
+            sample.update(daemon_exited_ns=exited[0], exit_codes=exited[1],
+                          task_open_ns=opened)
+            self._fire(TASK_OPEN, opened)
+            acted = self._actions_after(agent["id"], acknowledged_ns)
+            if acted:
+                raise KillFailed(f"agent {agent['slug']} made {len(acted)} model request(s) "
+                                 "after its kill was acknowledged, the last "
+                                 f"{(max(acted) - acknowledged_ns) / 1e6:.1f} ms after")
+        except KillFailed as failure:
+            sample["failure"] = str(failure)
+            self._fire(HELD, (time.time_ns() - invoked_ns), failure)
+        else:
+            self._fire(HELD, (time.time_ns() - invoked_ns))
+        finally:
+            self._record(sample)
+            self.client.post(f"{path}/resume", name="/api/v1/agents/[id]/resume")
+
+    # ------------------------------------------------------------------ the measurements
+
+    def _stopped(self, path: str, sessions: list[str], held: set[str], invoked_ns: int
+                 ) -> tuple[tuple[int, list[int]], int]:
+        """Poll until the cancelled sessions' daemons have exited and the held tasks are open
+        again, then time both on the control plane's own clock (the same machine's: load
+        goes to 127.0.0.1 only): the sandboxes' `ended_at`, the tasks' transitions to open.
+        Polling only says when to look; it adds nothing to the figures."""
+        # Long enough to measure a kill that breaks the bound, bounded all the same.
+        patience_s = max(self.bound_ms / 1000 * 2, 10.0)
+        deadline = time.monotonic() + patience_s
+        boxes = {s["sandbox_id"] for s in self._json(f"{path}/sessions")
+                 if s["id"] in sessions and s["sandbox_id"]}
+        while True:
+            rows = [b for b in self._json(f"{path}/sandboxes") if b["id"] in boxes]
+            tasks = {t["id"]: t["state"] for t in self._json(f"{path}/backlog")}
+            exited = all(b["exit_code"] is not None and b["ended_at"] for b in rows)
+            if exited and all(tasks.get(t) == "open" for t in held):
+                break
+            if time.monotonic() > deadline:
+                stuck = {t: tasks.get(t) for t in held if tasks.get(t) != "open"}
+                raise KillFailed(f"{patience_s:.0f} s after the kill, "
+                                 + ("tasks were not open again: " + json.dumps(stuck)
+                                    if exited else "a daemon had not exited"))
+            time.sleep(POLL_S)
+        codes = [b["exit_code"] for b in rows]
+        exited_ns = max((_ns(b["ended_at"]) - invoked_ns for b in rows), default=0)
+        failure = None
+        if any(code != 3 for code in codes):
+            failure = KillFailed(f"daemons exited with {codes}, not 3 (kill switch)")
+        elif exited_ns / 1e6 > self.bound_ms:
+            failure = KillFailed(f"the daemon exited {exited_ns / 1e6:.0f} ms after the kill, "
+                                 f"over the bound of {self.bound_ms:.0f} ms")
+        self._fire(DAEMON_EXITED, exited_ns, failure)
+        if failure is not None:
+            raise failure
+        opened_ns = 0
+        for task_id in held:
+            detail = self.client.get(f"{path}/tasks/{task_id}",
+                                     name="/api/v1/agents/[id]/tasks/[id]").json()
+            reopened = [_ns(t["at"]) for t in detail["transitions"]
+                        if t["to_state"] == "open" and _ns(t["at"]) >= invoked_ns]
+            if not reopened:
+                raise KillFailed(f"task {task_id} shows no transition back to open")
+            opened_ns = max(opened_ns, min(reopened) - invoked_ns)
+        return (exited_ns, codes), opened_ns
+
+    def _actions_after(self, agent_id: str, acknowledged_ns: int) -> list[int]:
+        r = self.client.get(self.ledger_url, params={"agent": agent_id},
+                            name="puppet ledger")
+        r.raise_for_status()
+        return [e["at_ns"] for e in r.json() if e["at_ns"] > acknowledged_ns]
+
+    def _json(self, path: str, params: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        name = "/api/v1/agents/[id]/" + path.rsplit("/", 1)[-1]
+        r = self.client.get(path, params=params, name=name)
+        if not r.ok:
+            raise KillFailed(f"GET {path} answered {r.status_code}: {r.text[:200]}")
+        rows: list[dict[str, Any]] = r.json()
+        return rows
+
+    def _fire(self, name: str, ns: int, failure: Exception | None = None) -> None:
+        self.environment.events.request.fire(
+            request_type=KILL, name=name, response_time=ns / 1e6, response_length=0,
+            exception=failure, context={})
+
+    def _record(self, sample: dict[str, Any]) -> None:
+        if self.samples is not None:
+            with self.samples.open("a") as out:
+                out.write(json.dumps(sample) + "\n")
+
+
+def _ns(timestamp: str) -> int:
+    return int(datetime.fromisoformat(timestamp).timestamp() * 1_000_000_000)
+
+
+def _check_environment(environment: Environment, **_: Any) -> None:
+    """Fail at start, not at the first request, when the set-up is missing (a master that
+    only collects from workers needs none of it)."""
+    if isinstance(environment.runner, MasterRunner):
+        return
+    for name in ("COVEY_LOAD_OPERATOR_TOKEN", "COVEY_LOAD_KILLER_TOKEN",
+                 "COVEY_LOAD_PUPPET_URL"):
+        _env(name)
+
+
+events.init.add_listener(_check_environment)  # type: ignore[no-untyped-call]

@@ -1,0 +1,118 @@
+"""`gameday load`: its verdict on fabricated runs, and short real runs of Locust against the
+processes stack (a passing one, and one whose bound no kill can meet)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.load.runner import LoadPlan, judge, run_seconds
+
+MS = 1_000_000
+PLAN = LoadPlan(users=10, spawn_rate=5, run_time="20s", max_kill_p99_ms=500)
+
+
+def kill(ack_ms: float = 10, exited_ms: float = 80, open_ms: float = 8,
+         failure: str | None = None) -> dict[str, Any]:
+    return {"agent_id": "a1", "invoked_ns": 0, "acknowledged_ns": int(ack_ms * MS),
+            "daemon_exited_ns": int(exited_ms * MS), "task_open_ns": int(open_ms * MS),
+            "exit_codes": [3], "failure": failure}
+
+
+def stats(requests: int = 400, failures: int = 0) -> list[dict[str, str]]:
+    row = {"Type": "GET", "Name": "/api/v1/agents", "Request Count": str(requests),
+           "Failure Count": str(failures), "Requests/s": "20.0"}
+    ledger = {**row, "Name": "puppet ledger", "Failure Count": "3"}
+    killed = {**row, "Type": "KILL", "Name": "kill → acknowledged", "Failure Count": "0"}
+    total = {**row, "Type": "", "Name": "Aggregated"}
+    return [row, ledger, killed, total]
+
+
+def test_a_run_whose_kills_held_passes_with_hdr_percentiles() -> None:
+    result = judge(PLAN, [kill(exited_ms=ms) for ms in range(50, 150)], stats(), 0)
+    assert result.passed, result.problems
+    assert result.kills == 100
+    exited = result.parts_us["kill → daemon exited"]
+    assert exited["p50_us"] == pytest.approx(99_000, rel=1e-2)
+    assert exited["max_us"] == 149_000
+    # Only the control plane's requests count: not the puppet's ledger, not the KILL rows.
+    assert (result.requests, result.request_failures, result.requests_per_s) == (400, 0, 20.0)
+
+
+def test_a_kill_that_did_not_hold_fails_the_run_with_its_reason() -> None:
+    acted = "agent billing-bot made 2 model request(s) after its kill was acknowledged"
+    result = judge(PLAN, [kill(), kill(failure=acted)], stats(), 0)
+    assert not result.passed
+    assert any(acted in problem for problem in result.problems), result.problems
+    # The failed kill's figures are not folded into the percentiles of the kills that held.
+    assert result.parts_us["kill → daemon exited"]["count"] == 1
+
+
+def test_a_slow_p99_fails_the_gate_and_says_by_how_much() -> None:
+    result = judge(PLAN, [kill()] * 98 + [kill(exited_ms=900)] * 2, stats(), 0)
+    assert result.problems == ["kill → daemon exited p99 900.1 ms is over the bound of "
+                               "500 ms"] or "over the bound of 500 ms" in result.problems[0]
+    assert not result.passed
+    assert judge(LoadPlan(10, 5, "20s"), [kill(exited_ms=900)], stats(), 0).passed
+
+
+def test_no_kill_or_failed_requests_is_no_pass() -> None:
+    assert "no kill was measured" in judge(PLAN, [], stats(), 0).problems[0]
+    failing = judge(PLAN, [kill()], stats(failures=7), 0)
+    assert failing.problems == ["7 of 400 requests to the control plane failed under load "
+                                "(Locust's failures table says which)"]
+    assert "Locust wrote no statistics" in judge(PLAN, [kill()], [], 0).problems[-1]
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("20s", 20), ("2m", 120), ("1h30m", 5400),
+                                               ("90", 90)])
+def test_run_times_read_as_locust_reads_them(text: str, seconds: float) -> None:
+    assert run_seconds(text) == seconds
+
+
+def test_a_run_time_locust_would_refuse_is_refused() -> None:
+    with pytest.raises(ValueError, match="say 20s"):
+        run_seconds("two minutes")
+
+
+def gameday_load(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str],
+                                                        dict[str, Any]]:
+    run = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "load", "--stack", "processes", "--users", "4",
+         "--spawn-rate", "4", "--run-time", "15s", "--agents", "3",
+         "--report-dir", str(tmp_path), *extra],
+        capture_output=True, text=True, timeout=240)
+    summaries = list(tmp_path.glob("load-*.json"))
+    assert len(summaries) == 1, f"no summary written; the command said:\n{run.stdout}\n" \
+                                f"{run.stderr[-3000:]}"
+    return run, json.loads(summaries[0].read_text())
+
+
+@pytest.mark.slow
+def test_a_short_headless_load_run_passes_and_writes_its_reports(tmp_path: Path) -> None:
+    run, summary = gameday_load(tmp_path)
+    assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-3000:]}"
+    assert summary["passed"] and summary["kills"] >= 1 and not summary["failed_kills"]
+    assert set(summary["parts_us"]) == {"kill → acknowledged", "kill → daemon exited",
+                                        "kill → task open"}
+    assert summary["requests"] > 0 and summary["request_failures"] == 0
+    for kind in ("csv", "html"):
+        assert Path(summary["files"][kind]).stat().st_size > 0, kind
+    html = Path(summary["files"]["html"]).read_text()
+    # Locust's own report shows the KILL request type (its data is JSON, arrows escaped).
+    assert '"KILL"' in html and "daemon exited" in html
+    assert "every kill held" in run.stdout
+
+
+@pytest.mark.slow
+def test_a_bound_no_kill_can_meet_fails_the_run_with_the_reason(tmp_path: Path) -> None:
+    run, summary = gameday_load(tmp_path, "--kill-bound-ms", "0.001")
+    assert run.returncode == 1, f"{run.stdout}\n{run.stderr[-3000:]}"
+    assert summary["failed_kills"], summary
+    assert all("over the bound of 0 ms" in k["failure"] for k in summary["failed_kills"])
+    assert "over the bound" in run.stdout

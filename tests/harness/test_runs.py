@@ -1,0 +1,136 @@
+"""Game days across runs: the index of a report directory, the trend page, and the gate,
+which fails a planted regression and lets noise inside its bound pass."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from harness.report import runs
+from harness.report.trend import write_index
+
+
+def journal(report_dir: Path, n: int, daemon_exit_p99_ms: float, *, status: str = "completed",
+            scenario: str = "test_fleet_stop", stack: str = "processes", agents: int = 5,
+            failed: str | None = None) -> Path:
+    p99 = int(daemon_exit_p99_ms * 1000)
+    document: dict[str, Any] = {
+        "game_day": scenario, "stack": stack, "seed": n, "status": status,
+        "started_at": f"2026-11-{1 + n:02d}T03:00:00+00:00",
+        "agents": [{"id": f"a{i}", "slug": f"a{i}", "behaviour": "silent"}
+                   for i in range(agents)],
+        "verdicts": [{"checker": "no_action_after_kill_ack", "valid": failed is None,
+                      "message": failed or "No agent action started after an acknowledged "
+                                           "kill.", "evidence": []}],
+        "measurements": {"time_to_stop": {"summary_us": {"daemon_exit": {
+            "count": agents, "p50_us": p99 // 2, "p90_us": p99, "p99_us": p99,
+            "max_us": p99}}, "samples_ns": []}}}
+    path = report_dir / f"{scenario}-{n:03d}.json"
+    path.write_text(json.dumps(document))
+    return path
+
+
+def history_of(tmp_path: Path, p99s: list[float]) -> Path:
+    for n, p99 in enumerate(p99s):
+        journal(tmp_path, n, p99)
+    return tmp_path
+
+
+def test_noise_inside_the_bound_passes_with_the_figures(tmp_path: Path) -> None:
+    history_of(tmp_path, [400, 380, 450, 410, 390, 700])  # 1.75x the median: noise here
+    result = runs.gate(runs.runs(tmp_path) if runs.index(tmp_path) else [])
+    assert result.passed, result.lines
+    assert result.lines == ["test_fleet_stop on processes with 5 agents: ok · daemon_exit "
+                            "p99 700.0 ms vs median 400.0 ms"]
+
+
+def test_a_planted_regression_fails_with_one_line_that_says_why(tmp_path: Path) -> None:
+    history_of(tmp_path, [400, 380, 450, 410, 390, 1200])
+    runs.index(tmp_path)
+    result = runs.gate(runs.runs(tmp_path))
+    assert not result.passed
+    assert result.lines == ["test_fleet_stop on processes with 5 agents: daemon_exit p99 "
+                            "1200.0 ms is 3.0x the median 400.0 ms of the last 5 comparable "
+                            "runs (bound 2x and +50 ms), in test_fleet_stop-005.json"]
+
+
+def test_a_tiny_figure_that_doubles_is_under_the_noise_floor(tmp_path: Path) -> None:
+    history_of(tmp_path, [3, 4, 3, 3, 9])
+    runs.index(tmp_path)
+    assert runs.gate(runs.runs(tmp_path)).passed
+    assert not runs.gate(runs.runs(tmp_path), min_delta_ms=1).passed
+
+
+def test_a_failed_verdict_fails_the_gate_whatever_the_figures(tmp_path: Path) -> None:
+    history_of(tmp_path, [400, 400, 400])
+    journal(tmp_path, 9, 100, status="failed", failed="agent-2 acted 40 ms after the kill")
+    runs.index(tmp_path)
+    result = runs.gate(runs.runs(tmp_path))
+    assert not result.passed
+    assert "ended failed" in result.lines[0]
+    assert "checker no_action_after_kill_ack failed: agent-2 acted 40 ms after the kill" \
+        in result.lines[1]
+
+
+def test_only_comparable_runs_are_compared(tmp_path: Path) -> None:
+    history_of(tmp_path, [400, 400, 400])
+    # Twenty agents take longer: not a regression of the five-agent game day.
+    for n in range(3):
+        journal(tmp_path, 10 + n, 1500, agents=20)
+    journal(tmp_path, 20, 4000, agents=20)
+    journal(tmp_path, 21, 420)
+    runs.index(tmp_path)
+    lines = runs.gate(runs.runs(tmp_path)).lines
+    assert any("with 5 agents: ok" in line for line in lines), lines
+    assert any("with 20 agents: daemon_exit p99 4000.0 ms is 2.7x" in line
+               for line in lines), lines
+
+
+def test_too_little_history_is_said_not_failed(tmp_path: Path) -> None:
+    history_of(tmp_path, [400, 5000])
+    runs.index(tmp_path)
+    result = runs.gate(runs.runs(tmp_path))
+    assert result.passed
+    assert "(1 earlier runs, 3 needed to compare)" in result.lines[0]
+
+
+def test_no_game_day_is_nothing_to_gate(tmp_path: Path) -> None:
+    runs.index(tmp_path)
+    result = runs.gate(runs.runs(tmp_path))
+    assert not result.passed and "nothing to gate" in result.lines[0]
+
+
+def test_the_index_is_idempotent_and_skips_what_is_not_a_journal(tmp_path: Path) -> None:
+    history_of(tmp_path, [400, 410])
+    (tmp_path / "load-20261201T000000Z.json").write_text("{}")
+    (tmp_path / "garbage.json").write_text("not json")
+    assert runs.index(tmp_path) == 2
+    assert runs.index(tmp_path) == 0
+    assert [r.seed for r in runs.runs(tmp_path)] == [0, 1]
+
+
+def test_the_trend_page_lists_every_run_of_every_group(tmp_path: Path) -> None:
+    history_of(tmp_path, [400, 410])
+    journal(tmp_path, 5, 900, stack="containers")
+    runs.index(tmp_path)
+    page = write_index(tmp_path).read_text()
+    assert "test_fleet_stop on processes, 5 agents" in page
+    assert "test_fleet_stop on containers, 5 agents" in page
+    assert page.count("<tr><td>2026-11-") == 3
+
+
+def test_gameday_gate_exits_1_on_the_regression_and_0_on_noise(tmp_path: Path) -> None:
+    history_of(tmp_path, [400, 380, 450, 410, 390, 1200])
+    gate = [sys.executable, "-m", "harness.cli", "gate", "--report-dir", str(tmp_path)]
+    failing = subprocess.run(gate, capture_output=True, text=True, timeout=60)
+    assert failing.returncode == 1, failing.stdout + failing.stderr
+    assert failing.stdout.splitlines() == [
+        "test_fleet_stop on processes with 5 agents: daemon_exit p99 1200.0 ms is 3.0x the "
+        "median 400.0 ms of the last 5 comparable runs (bound 2x and +50 ms), in "
+        "test_fleet_stop-005.json"]
+    passing = subprocess.run([*gate, "--ratio", "4"], capture_output=True, text=True,
+                             timeout=60)
+    assert passing.returncode == 0, passing.stdout + passing.stderr
