@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from covey import __version__, errors
 from covey.api import agents, auth, daemon, fleet, notifications, trigger
 from covey.api.deps import AnyRole
+from covey.api.openapi import document
 from covey.config import Settings
 from covey.db import create_pool, embedded_database_url, migrate
 from covey.hub import DaemonHub
@@ -222,11 +223,13 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
     app = FastAPI(title="covey", version=__version__, lifespan=lifespan,
                   description="Agent control plane with kill switches (covey-compatible).")
     errors.install(app)
+    app.openapi = lambda: document(app)  # type: ignore[method-assign]
     for router in (auth.router, agents.router, fleet.router, trigger.router,
                    notifications.router, daemon.router):
         app.include_router(router)
 
-    @app.get("/healthz", tags=["system"])
+    @app.get("/healthz", tags=["system"],
+             responses={503: {"description": "Database unreachable"}})
     async def healthz(request: Request) -> dict[str, Any]:
         orch: Orchestrator = request.app.state.orchestrator
         try:
@@ -240,7 +243,9 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
     async def metrics_endpoint() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/api/v1/events", tags=["system"], response_class=StreamingResponse)
+    @app.get("/api/v1/events", tags=["system"], response_class=StreamingResponse,
+             responses={200: {"description": "An endless event stream",
+                              "content": {"text/event-stream": {"schema": {"type": "string"}}}}})
     async def status_events(who: AnyRole) -> StreamingResponse:
         """Server-sent events: one `status` event per agent status change in your org."""
         return StreamingResponse(events.stream(who.org_id), media_type="text/event-stream",
@@ -252,4 +257,5 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
 
     wrapped: Any = app
     wrapped.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    wrapped.add_middleware(errors.ContainErrors)  # outermost: also around the body limit
     return app
