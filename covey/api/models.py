@@ -9,11 +9,11 @@ from uuid import UUID
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
     StrictFloat,
-    StrictInt,
     StrictStr,
     model_validator,
 )
@@ -34,6 +34,18 @@ def storable_text(value: str) -> str:
     return value
 
 
+def _number_not_text(value: Any) -> Any:
+    if isinstance(value, bool | str):
+        raise ValueError("must be a JSON number, not a boolean or a string")
+    return value
+
+
+# JSON's integers: 3 and 3.0 (the same number), never true, "3" or 3.5. Pydantic's strict
+# int refuses 3.0, which JSON Schema calls an integer; its lax int took true as 1.
+# (Bounds go before NUMBER in an Annotated: after it, pydantic leaves them out of the schema.)
+NUMBER = BeforeValidator(_number_not_text)
+Integer = Annotated[int, NUMBER]
+
 # The pattern says the same in the OpenAPI document, so clients and fuzzers know it.
 NO_NUL = r"^[^\x00]*$"
 Text = Annotated[StrictStr, AfterValidator(storable_text),
@@ -42,8 +54,9 @@ Text = Annotated[StrictStr, AfterValidator(storable_text),
 
 # Deliverability is not ours to judge (game days use reserved domains such as .test);
 # the shape is.
-Email = Annotated[StrictStr, AfterValidator(storable_text),
-                  Field(min_length=3, max_length=320, pattern=r"^[^@\s\x00]+@[^@\s\x00]+$")]
+Email = Annotated[StrictStr,
+                  Field(min_length=3, max_length=320, pattern=r"^[^@\s\x00]+@[^@\s\x00]+$"),
+                  AfterValidator(storable_text)]
 Role = Literal["org_admin", "agent_owner", "security", "auditor", "controlling"]
 TaskState = Literal["open", "in_progress", "blocked", "done", "failed", "cancelled"]
 HeartbeatName = Annotated[StrictStr, Field(min_length=1, max_length=64,
@@ -99,8 +112,8 @@ class OrgOut(BaseModel):
 
 class HeartbeatIn(Strict):
     name: HeartbeatName
-    task_body: Text = Field(max_length=20_000)
-    every_seconds: StrictInt = Field(
+    task_body: Text = Field(max_length=4_000)
+    every_seconds: Integer = Field(
         ge=HEARTBEAT_MIN_S, le=7 * 24 * 3600,
         description=f"At least {HEARTBEAT_MIN_S} s. The scheduler fires no heartbeat of an"
                     f" agent that has {MAX_OPEN_HEARTBEAT_TASKS} unfinished heartbeat tasks.")
@@ -116,14 +129,14 @@ class HeartbeatOut(BaseModel):
 class GuardIn(Strict):
     """Per-agent guard thresholds; what is left out takes the daemon's default."""
 
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
-    max_tool_calls: StrictInt | None = Field(default=None, ge=1)
+    max_tokens: Annotated[int, Field(ge=1), NUMBER] | None = None
+    max_tool_calls: Annotated[int, Field(ge=1), NUMBER] | None = None
     max_wall_s: StrictFloat | None = Field(default=None, gt=0, allow_inf_nan=False)
-    loop_window: StrictInt | None = Field(default=None, ge=2, le=1000)
-    loop_repeats: StrictInt | None = Field(default=None, ge=2, le=1000)
-    cycle_max_period: StrictInt | None = Field(default=None, ge=2, le=20)
-    cycle_repeats: StrictInt | None = Field(default=None, ge=2, le=100)
-    breaker_failures: StrictInt | None = Field(default=None, ge=1, le=1000)
+    loop_window: Annotated[int, Field(ge=2, le=1000), NUMBER] | None = None
+    loop_repeats: Annotated[int, Field(ge=2, le=1000), NUMBER] | None = None
+    cycle_max_period: Annotated[int, Field(ge=2, le=20), NUMBER] | None = None
+    cycle_repeats: Annotated[int, Field(ge=2, le=100), NUMBER] | None = None
+    breaker_failures: Annotated[int, Field(ge=1, le=1000), NUMBER] | None = None
     breaker_cooldown_s: StrictFloat | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
@@ -133,9 +146,10 @@ class AgentIn(Strict):
     owner_id: UUID | None = None
     warm_sandbox: StrictBool = False
     budget_usd: StrictFloat = Field(default=1.0, ge=0, le=100_000, allow_inf_nan=False)
-    max_turns: StrictInt = Field(default=20, ge=1, le=10_000)
+    max_turns: Integer = Field(default=20, ge=1, le=10_000)
     model: Text = Field(default="puppet", min_length=1, max_length=200)
-    heartbeats: list[HeartbeatIn] = Field(default_factory=list, max_length=50)
+    # At most 12 of at most 4,000 characters: with the rest, within the 64 KiB request limit.
+    heartbeats: list[HeartbeatIn] = Field(default_factory=list, max_length=12)
     guard: GuardIn = Field(default_factory=GuardIn)
 
 
@@ -164,7 +178,7 @@ class AgentCreatedOut(AgentOut):
 class TaskIn(Strict):
     title: Text = Field(min_length=1, max_length=500)
     body: Text = Field(default="", max_length=MAX_TASK_BODY)
-    priority: StrictInt = Field(default=0, ge=-1000, le=1000)
+    priority: Integer = Field(default=0, ge=-1000, le=1000)
 
 
 class TaskPatch(Strict):
@@ -172,9 +186,9 @@ class TaskPatch(Strict):
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"minProperties": 1})
 
-    title: Text | SkipJsonSchema[None] = Field(default=None, min_length=1, max_length=500)
-    body: Text | SkipJsonSchema[None] = Field(default=None, max_length=MAX_TASK_BODY)
-    priority: StrictInt | SkipJsonSchema[None] = Field(default=None, ge=-1000, le=1000)
+    title: Annotated[Text, Field(min_length=1, max_length=500)] | SkipJsonSchema[None] = None
+    body: Annotated[Text, Field(max_length=MAX_TASK_BODY)] | SkipJsonSchema[None] = None
+    priority: Annotated[int, Field(ge=-1000, le=1000), NUMBER] | SkipJsonSchema[None] = None
 
     @model_validator(mode="before")
     @classmethod
