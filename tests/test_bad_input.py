@@ -419,3 +419,36 @@ async def test_binary_frame_loses_the_daemon_at_once(world: World) -> None:
         with pytest.raises(websockets.ConnectionClosed) as closed:
             await ws.recv()
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 4400
+
+
+async def test_openapi_document_tells_the_truth(world: World) -> None:
+    """The statuses the server answers, in the shape it answers them, with the credentials
+    it takes; FastAPI's own document had success codes and a {"detail"} 422 only."""
+    doc = (await world.anonymous.get("/openapi.json")).json()
+    schemas = doc["components"]["schemas"]
+    assert "HTTPValidationError" not in schemas
+    assert set(schemas["ErrorOut"]["required"]) == {"error", "hint"}
+    assert set(doc["components"]["securitySchemes"]) == {"bearer", "session"}
+    for path, operations in doc["paths"].items():
+        for op in operations.values():
+            for code, response in op["responses"].items():
+                if code[0] in "45":
+                    schema = response["content"]["application/json"]["schema"]
+                    assert schema == {"$ref": "#/components/schemas/ErrorOut"}, (path, code)
+    kill = doc["paths"]["/api/v1/fleet/kill"]["post"]
+    assert {"200", "401", "403"} <= set(kill["responses"]) and kill["security"]
+    create = doc["paths"]["/api/v1/agents/{agent_id}/tasks"]["post"]
+    assert {"201", "400", "401", "403", "404", "413", "422"} <= set(create["responses"])
+    login = doc["paths"]["/api/v1/auth/login"]["post"]
+    assert "401" in login["responses"] and "security" not in login
+    task = schemas["TaskIn"]["properties"]
+    assert task["body"]["maxLength"] + task["title"]["maxLength"] < 64 * 1024
+    assert schemas["HeartbeatIn"]["properties"]["every_seconds"]["minimum"] == 60
+    # The task's limits in the document are the ones the server enforces.
+    agent = await world.agent()
+    r = await world.org_admin.post(f"/api/v1/agents/{agent['id']}/tasks", json={
+        "title": "t", "body": "x" * (task["body"]["maxLength"] + 1)})
+    assert r.status_code == 422, r.text
+    r = await world.org_admin.post(f"/api/v1/agents/{agent['id']}/tasks", json={
+        "title": "t" * task["title"]["maxLength"], "body": "x" * task["body"]["maxLength"]})
+    assert r.status_code == 201, "the longest task the document allows was refused"
