@@ -129,8 +129,8 @@ class HeartbeatOut(BaseModel):
 class GuardIn(Strict):
     """Per-agent guard thresholds; what is left out takes the daemon's default."""
 
-    max_tokens: Annotated[int, Field(ge=1), NUMBER] | None = None
-    max_tool_calls: Annotated[int, Field(ge=1), NUMBER] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_BIGINT), NUMBER] | None = None
+    max_tool_calls: Annotated[int, Field(ge=1, le=MAX_BIGINT), NUMBER] | None = None
     max_wall_s: StrictFloat | None = Field(default=None, gt=0, allow_inf_nan=False)
     loop_window: Annotated[int, Field(ge=2, le=1000), NUMBER] | None = None
     loop_repeats: Annotated[int, Field(ge=2, le=1000), NUMBER] | None = None
