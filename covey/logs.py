@@ -51,7 +51,7 @@ def _redacted(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _redacted(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_redacted(v) for v in value)
+        return [_redacted(v) for v in value]
     return value
 
 

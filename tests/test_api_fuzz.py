@@ -199,7 +199,7 @@ def test_stateful_sequences_keep_to_the_document(api_schema: Any) -> None:
     settings = hypothesis.settings(
         max_examples=STATEFUL_SCENARIOS, stateful_step_count=10, deadline=None, database=None,
         phases=[hypothesis.Phase.generate], suppress_health_check=list(hypothesis.HealthCheck))
-    for _ in range(5):
+    for _ in range(3):
         before = TALLY.stateful_steps
         try:
             Sequences.run(settings=settings)

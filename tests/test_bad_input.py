@@ -252,8 +252,11 @@ async def test_cursor_beyond_64_bits_is_refused(world: World) -> None:
     r = await world.org_admin.get(path, params={"after": 2**64})
     assert r.status_code == 422 and _is_error(r.json()), r.text
     assert r.json()["details"][0]["where"] == "query.after"
-    r = await world.org_admin.get(path, params={"after": 2**63 - 1})
+    r = await world.org_admin.get(path, params={"after": 2**53 - 1})
     assert r.status_code == 200 and r.json() == [], r.text
+    r = await world.org_admin.post("/api/v1/agents", json={
+        "slug": "big", "display_name": "big", "guard": {"max_tool_calls": 2**53 + 1}})
+    assert r.status_code == 422, r.text
 
 
 @pytest.mark.parametrize("fields", [

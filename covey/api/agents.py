@@ -11,7 +11,7 @@ from pydantic import AfterValidator
 
 from covey.api.deps import AnyRole, Killer, Manage, Orch, arrived
 from covey.api.models import (
-    MAX_BIGINT,
+    MAX_EXACT_INT,
     AcceptedTaskOut,
     AgentCreatedOut,
     AgentIn,
@@ -335,7 +335,7 @@ async def fire_heartbeat(agent_id: UUID, name: HeartbeatPathName, who: Manage, o
 
 @router.get("/{agent_id}/recording", response_model=list[RecordingOut])
 async def recording(agent_id: UUID, who: AnyRole, orch: Orch,
-                    after: int = Query(default=0, ge=0, le=MAX_BIGINT,
+                    after: int = Query(default=0, ge=0, le=MAX_EXACT_INT,
                                        description="only events after this id"),
                     ) -> list[RecordingOut]:
     await agent_of_org(orch, who.org_id, agent_id)

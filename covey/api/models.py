@@ -61,9 +61,12 @@ Role = Literal["org_admin", "agent_owner", "security", "auditor", "controlling"]
 TaskState = Literal["open", "in_progress", "blocked", "done", "failed", "cancelled"]
 HeartbeatName = Annotated[StrictStr, Field(min_length=1, max_length=64,
                                            pattern=r"^[a-z0-9][a-z0-9_-]*$")]
-# Bigint columns: a larger id or cursor is refused as input instead of overflowing there.
-MAX_BIGINT = 2**63 - 1
-# A task body fits in a request (64 KiB of JSON) with room for its title and escapes.
+# The largest integer a JSON number holds exactly (a double's 53 bits): beyond it two
+# different numbers compare equal in many clients' validators, and Postgres's bigint ends
+# at 2**63 - 1 anyway. A larger cursor once overflowed there as a 500.
+MAX_EXACT_INT = 2**53 - 1
+# A plain-text task body fits in one request (64 KiB) with its title; escaped or multibyte
+# text can pass the byte limit first, and that is a 413.
 MAX_TASK_BODY = 60_000
 
 
@@ -129,8 +132,8 @@ class HeartbeatOut(BaseModel):
 class GuardIn(Strict):
     """Per-agent guard thresholds; what is left out takes the daemon's default."""
 
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_BIGINT), NUMBER] | None = None
-    max_tool_calls: Annotated[int, Field(ge=1, le=MAX_BIGINT), NUMBER] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_EXACT_INT), NUMBER] | None = None
+    max_tool_calls: Annotated[int, Field(ge=1, le=MAX_EXACT_INT), NUMBER] | None = None
     max_wall_s: StrictFloat | None = Field(default=None, gt=0, allow_inf_nan=False)
     loop_window: Annotated[int, Field(ge=2, le=1000), NUMBER] | None = None
     loop_repeats: Annotated[int, Field(ge=2, le=1000), NUMBER] | None = None
