@@ -89,8 +89,6 @@ def allowed_methods(app: FastAPI, path: str) -> list[str]:
         regex, _, _ = compile_path(route.path_format)
         if regex.match(path):
             methods |= set(route.methods or ())
-    if "GET" in methods:
-        methods.add("HEAD")
     return sorted(methods)
 
 
