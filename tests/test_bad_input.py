@@ -314,6 +314,11 @@ async def test_heartbeats_have_a_minimum_interval(world: World) -> None:
     r = await world.org_admin.post(f"/api/v1/agents/{agent['id']}/heartbeats", json={
         "name": "minutely", "task_body": "x", "every_seconds": 60})
     assert r.status_code == 201, r.text
+    # Found by the fuzz: two of one name hit the primary key as a 500.
+    twice = {"name": "same", "task_body": "x", "every_seconds": 60}
+    r = await world.org_admin.post("/api/v1/agents", json={
+        "slug": "twice", "display_name": "twice", "heartbeats": [twice, twice]})
+    assert r.status_code == 409 and _is_error(r.json()), r.text
 
 
 async def test_manual_fires_stop_at_the_bound_of_unfinished_heartbeat_tasks(

@@ -137,7 +137,8 @@ async def list_agents(who: AnyRole, orch: Orch) -> list[AgentOut]:
 
 @router.post("", response_model=AgentCreatedOut, status_code=201,
              responses={404: {"description": "No such owner in your organisation"},
-                        409: {"description": "An agent with that slug exists"}})
+                        409: {"description": "An agent with that slug exists, or two of its"
+                                             " heartbeats have one name"}})
 async def create_agent(body: AgentIn, who: Manage, orch: Orch) -> AgentCreatedOut:
     """Create an agent. One created while the fleet stop stands does not run until resume."""
     agent_id = uuid4()
@@ -160,6 +161,12 @@ async def create_agent(body: AgentIn, who: Manage, orch: Orch) -> AgentCreatedOu
         except asyncpg.UniqueViolationError:
             raise ApiError(409, "An agent with that slug exists",
                            "Slugs are unique within an organisation; pick another.") from None
+        names = [hb.name for hb in body.heartbeats]
+        if len(set(names)) < len(names):
+            # A schema cannot say "unique by name"; the primary key would, as a 500.
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ApiError(409, "Two heartbeats of one name",
+                           f"Heartbeat names are unique per agent: {', '.join(twice)}.")
         for hb in body.heartbeats:
             await conn.execute(
                 "INSERT INTO agent_heartbeats (agent_id, name, task_body, every_seconds)"
