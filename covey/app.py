@@ -81,11 +81,10 @@ class BodyLimit:
     async def _too_large(self, send: Send) -> None:
         body = json.dumps(errors.error_body(
             "Request body too large", f"Send at most {self.max_bytes} bytes.")).encode()
-        # The rest of the body stays unread, so this connection cannot carry another
-        # request: say so, rather than have the client find out on its next one.
+        # No "Connection: close": uvicorn drains the unread rest of the body and keeps the
+        # connection, and a client still sending it would otherwise be cut off mid-request.
         await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"connection", b"close")]})
+                    "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": body})
 
 
