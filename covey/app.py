@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from covey import __version__, errors
 from covey.api import agents, auth, daemon, fleet, notifications, trigger
 from covey.api.deps import AnyRole
+from covey.api.openapi import document
 from covey.config import Settings
 from covey.db import create_pool, migrate
 from covey.embedded_postgres import EmbeddedPostgres, attach, release
@@ -81,6 +82,8 @@ class BodyLimit:
     async def _too_large(self, send: Send) -> None:
         body = json.dumps(errors.error_body(
             "Request body too large", f"Send at most {self.max_bytes} bytes.")).encode()
+        # No "Connection: close": uvicorn drains the unread rest of the body and keeps the
+        # connection, and a client still sending it would otherwise be cut off mid-request.
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": body})
@@ -238,11 +241,13 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
     app = FastAPI(title="covey", version=__version__, lifespan=lifespan,
                   description="Agent control plane with kill switches (covey-compatible).")
     errors.install(app)
+    app.openapi = lambda: document(app)  # type: ignore[method-assign]
     for router in (auth.router, agents.router, fleet.router, trigger.router,
                    notifications.router, daemon.router):
         app.include_router(router)
 
-    @app.get("/healthz", tags=["system"])
+    @app.get("/healthz", tags=["system"],
+             responses={503: {"description": "Database unreachable"}})
     async def healthz(request: Request) -> dict[str, Any]:
         orch: Orchestrator = request.app.state.orchestrator
         try:
@@ -256,7 +261,9 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
     async def metrics_endpoint() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/api/v1/events", tags=["system"], response_class=StreamingResponse)
+    @app.get("/api/v1/events", tags=["system"], response_class=StreamingResponse,
+             responses={200: {"description": "An endless event stream",
+                              "content": {"text/event-stream": {"schema": {"type": "string"}}}}})
     async def status_events(who: AnyRole) -> StreamingResponse:
         """Server-sent events: one `status` event per agent status change in your org."""
         return StreamingResponse(events.stream(who.org_id), media_type="text/event-stream",
@@ -268,4 +275,5 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
 
     wrapped: Any = app
     wrapped.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    wrapped.add_middleware(errors.ContainErrors)  # outermost: also around the body limit
     return app

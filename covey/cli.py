@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
         from covey.app import create_app
 
         app = create_app(settings, host=args.host, port=args.port)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+        # log_config=None: uvicorn's loggers write through ours, which redact tokens.
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", log_config=None,
                     ws="websockets-sansio", ws_ping_interval=5, ws_ping_timeout=5,
                     # Longer than a client's idle gaps: fewer kept-alive connections closed
                     # just as the client reuses them.

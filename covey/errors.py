@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from typing import Any
 
+import fastapi.routing
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import compile_path
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = structlog.get_logger(__name__)
 
@@ -19,6 +26,19 @@ class ApiError(Exception):
         self.status = status
         self.error = error
         self.hint = hint
+
+
+class Problem(BaseModel):
+    where: str
+    problem: str
+
+
+class ErrorOut(BaseModel):
+    """Every answer that is not a success has this shape."""
+
+    error: str
+    hint: str
+    details: list[Problem] | None = None
 
 
 def not_found(what: str) -> ApiError:
@@ -49,6 +69,29 @@ def _validation_message(exc: RequestValidationError) -> tuple[int, str, str, lis
     return 422, "Invalid request", hint, details
 
 
+def api_routes(app: FastAPI) -> Iterator[Any]:
+    """The app's API routes, each with its full path_format, methods and dependant. FastAPI
+    0.16x nests included routers; older ones list every route flat."""
+    contexts = getattr(fastapi.routing, "iter_route_contexts", None)
+    if contexts is None:
+        yield from (r for r in app.routes if isinstance(r, APIRoute))
+        return
+    for context in contexts(app.routes):
+        if isinstance(context.original_route, APIRoute):
+            yield context
+
+
+def allowed_methods(app: FastAPI, path: str) -> list[str]:
+    """Every method some route of this path takes: Starlette's own 405 names only the first
+    route that matched the path, and GET and POST of one path are two routes here."""
+    methods: set[str] = set()
+    for route in api_routes(app):
+        regex, _, _ = compile_path(route.path_format)
+        if regex.match(path):
+            methods |= set(route.methods or ())
+    return sorted(methods)
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -61,21 +104,52 @@ def install(app: FastAPI) -> None:
         return JSONResponse(body, status_code=status)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         hints = {
             404: "See /docs for the routes this server has.",
             405: "See /docs for the methods this route accepts.",
         }
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            allowed = allowed_methods(request.app, request.url.path)
+            headers["Allow"] = ", ".join(allowed)
+            hints[405] = f"This route accepts {', '.join(allowed)}."
         return JSONResponse(
             error_body(str(exc.detail), hints.get(exc.status_code, "")),
-            status_code=exc.status_code,
+            status_code=exc.status_code, headers=headers,
         )
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # A 500 is a bug of ours; log it whole so it can be fixed, and say so plainly.
-        log.exception("unhandled error", path=request.url.path)
-        return JSONResponse(
-            error_body("Internal error", "This is a bug in covey; the server log has the trace."),
-            status_code=500,
-        )
+
+class ContainErrors:
+    """The last line against a bug of ours: answer 500 in the one error shape, and keep the
+    connection. Starlette's own handler re-raises after answering, and uvicorn then closes a
+    kept-alive connection without a word; clients saw their next request fail."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception:
+            # The path may hold a trigger token: the log's redaction removes it.
+            log.exception("unhandled error", method=scope.get("method"), path=scope.get("path"))
+            if started:
+                raise  # half an answer is out: only closing the connection is honest
+            body = json.dumps(error_body(
+                "Internal error", "This is a bug in covey; the server log has the trace.")).encode()
+            await send({"type": "http.response.start", "status": 500,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})

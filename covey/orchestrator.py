@@ -39,6 +39,12 @@ T = TypeVar("T")
 
 LIVE = ("starting", "running")
 
+# Heartbeats once fired every second: fourteen of them filled a backlog with thousands of
+# tasks in minutes. No heartbeat fires more often than this, and none of an agent fires
+# while it already has this many heartbeat tasks unfinished.
+HEARTBEAT_MIN_S = 60
+MAX_OPEN_HEARTBEAT_TASKS = 10
+
 FLEET_KILLED_TITLE = (
     "The emergency stop was pulled: every agent of this organisation is paused"
 )
@@ -784,14 +790,25 @@ class Orchestrator:
                     FROM agents a JOIN organizations o ON o.id=a.org_id
                     WHERE h.agent_id=a.id AND NOT a.killed AND NOT o.fleet_killed
                       AND (h.last_fired_at IS NULL
-                           OR h.last_fired_at + make_interval(secs => h.every_seconds) <= now())
+                           OR h.last_fired_at + make_interval(
+                                  secs => GREATEST(h.every_seconds, $1)) <= now())
+                      AND (SELECT count(*) FROM backlog_tasks t
+                           WHERE t.agent_id=a.id AND t.origin='heartbeat'
+                             AND t.state IN ('open','in_progress','blocked')) < $2
                     RETURNING h.agent_id, h.name, h.task_body, a.org_id
+                ), created AS (
+                    INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin)
+                    SELECT gen_random_uuid(), org_id, agent_id, 'heartbeat: ' || name,
+                           task_body, 'heartbeat' FROM due
+                    RETURNING id, agent_id
+                ), logged AS (
+                    -- The same creation row the API, the trigger and a manual fire write.
+                    INSERT INTO task_transitions (task_id, from_state, to_state, note)
+                    SELECT id, NULL, 'open', 'created by heartbeat' FROM created
                 )
-                INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin)
-                SELECT gen_random_uuid(), org_id, agent_id, 'heartbeat: ' || name, task_body,
-                       'heartbeat' FROM due
-                RETURNING agent_id
-                """
+                SELECT agent_id FROM created
+                """,
+                HEARTBEAT_MIN_S, MAX_OPEN_HEARTBEAT_TASKS,
             )
         stale = await self.pool.fetch(
             """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from typing import Any
@@ -175,3 +176,291 @@ async def test_openapi_document_is_served_and_names_the_switches(world: World) -
                  "/api/trigger/{token}", "/api/v1/agents/{agent_id}/heartbeats/{name}/fire"):
         assert path in doc["paths"], path
     assert "409" in doc["paths"]["/api/trigger/{token}"]["post"]["responses"]
+
+
+NUL = "a\u0000b"
+
+
+async def _platform_admin(world: World) -> Any:
+    """A platform admin's client (the world has org roles only)."""
+    import httpx
+
+    from covey.security import hash_password, new_token, token_hash
+
+    human_id, token = uuid.uuid4(), new_token("cvt")
+    await world.db.execute(
+        "INSERT INTO humans (id, org_id, email, password_hash, role)"
+        " VALUES ($1, $2, 'platform@acme.test', $3, 'platform_admin')",
+        human_id, world.org.id, hash_password("correct horse battery"))
+    await world.db.execute("INSERT INTO api_tokens (token_hash, human_id, name)"
+                           " VALUES ($1, $2, 'tests')", token_hash(token), human_id)
+    return httpx.AsyncClient(base_url=world.plane.url, timeout=30,
+                             headers={"Authorization": f"Bearer {token}"})
+
+
+async def test_nul_is_refused_everywhere_with_a_hint(world: World) -> None:
+    """Postgres refuses NUL in text: each of these was a 500. Now each is a 422 that names the
+    field, and nothing is written."""
+    agent = await world.agent()
+    aid = agent["id"]
+    # Fired just now, so that no scheduler tick changes the database during the test.
+    await world.db.execute(
+        "INSERT INTO agent_heartbeats (agent_id, name, task_body, every_seconds, last_fired_at)"
+        " VALUES ($1, 'hourly', 'x', 3600, now())", uuid.UUID(aid))
+    platform = await _platform_admin(world)
+    before = await world.snapshot()
+    cases: list[tuple[Any, str, str, Any]] = [
+        (world.org_admin, "POST", f"/api/v1/agents/{aid}/tasks", {"title": NUL}),
+        (world.org_admin, "POST", f"/api/v1/agents/{aid}/tasks", {"title": "t", "body": NUL}),
+        (world.org_admin, "POST", "/api/v1/agents", {"slug": "nul", "display_name": NUL}),
+        (world.org_admin, "POST", f"/api/v1/agents/{aid}/heartbeats",
+         {"name": "nul", "task_body": NUL, "every_seconds": 3600}),
+        (world.org_admin, "POST", "/api/v1/auth/tokens", {"name": NUL}),
+        (world.org_admin, "POST", "/api/v1/members",
+         {"email": f"{NUL}@acme.test", "password": "long enough", "role": "auditor"}),
+        (world.anonymous, "POST", "/api/v1/auth/login",  # no credentials needed
+         {"email": f"{NUL}@acme.test", "password": "x"}),
+        (world.anonymous, "POST", "/api/v1/auth/login",
+         {"email": "org_admin@acme.test", "password": NUL}),
+        (platform, "POST", "/api/v1/platform/orgs",
+         {"name": NUL, "admin_email": "a@new.test", "admin_password": "long enough"}),
+        (world.org_admin, "GET", f"/api/v1/agents/{aid}/backlog?state=open%00", None),
+        (world.org_admin, "POST", f"/api/v1/agents/{aid}/heartbeats/hour%00ly/fire", None),
+        (world.anonymous, "POST", f"/api/trigger/{agent['trigger_token']}",
+         {"title": NUL}),
+        (world.anonymous, "POST", f"/api/trigger/x%00{agent['trigger_token']}", None),
+    ]
+    try:
+        for client, method, path, body in cases:
+            r = await client.request(method, path, json=body)
+            assert r.status_code == 422, (path, body, r.status_code, r.text)
+            answer = r.json()
+            assert answer["error"] == "Invalid request" and answer["hint"], (path, answer)
+            where = answer["details"][0]["where"]
+            assert where.startswith(("body", "query", "path")), (path, answer)
+        # A free-text field says what is wrong in words.
+        r = await world.org_admin.post(f"/api/v1/agents/{aid}/tasks", json={"title": NUL})
+        assert "NUL" in r.json()["hint"], r.text
+    finally:
+        await platform.aclose()
+    assert await world.snapshot() == before
+
+
+async def test_cursor_beyond_64_bits_is_refused(world: World) -> None:
+    agent = await world.agent()
+    path = f"/api/v1/agents/{agent['id']}/recording"
+    r = await world.org_admin.get(path, params={"after": 2**64})
+    assert r.status_code == 422 and _is_error(r.json()), r.text
+    assert r.json()["details"][0]["where"] == "query.after"
+    r = await world.org_admin.get(path, params={"after": 2**53 - 1})
+    assert r.status_code == 200 and r.json() == [], r.text
+    r = await world.org_admin.post("/api/v1/agents", json={
+        "slug": "big", "display_name": "big", "guard": {"max_tool_calls": 2**53 + 1}})
+    assert r.status_code == 422, r.text
+
+
+@pytest.mark.parametrize("fields", [
+    {"budget_usd": True},
+    {"budget_usd": "1.5"},
+    {"max_turns": True},
+    {"max_turns": "5"},
+    {"guard": {"breaker_cooldown_s": False}},
+    {"guard": {"max_tokens": "100"}},
+    {"max_turns": 5.5},
+])
+async def test_numbers_are_numbers(world: World, fields: dict[str, Any]) -> None:
+    """true was stored as 1.0 and false as 0; a numeric string was read as its number."""
+    before = await world.snapshot()
+    r = await world.org_admin.post("/api/v1/agents", json={
+        "slug": "strict", "display_name": "strict", **fields})
+    assert r.status_code == 422 and _is_error(r.json()), r.text
+    assert await world.snapshot() == before
+
+
+async def test_integral_floats_are_integers(world: World) -> None:
+    """JSON has one number type: 20.0 is the integer 20 (JSON Schema agrees)."""
+    agent = await world.agent(max_turns=20.0, budget_usd=2)
+    assert (agent["max_turns"], agent["budget_usd"]) == (20, 2.0)
+    r = await world.org_admin.post(f"/api/v1/agents/{agent['id']}/tasks",
+                                   json={"title": "t", "priority": True})
+    assert r.status_code == 422, r.text
+
+
+async def test_405_says_which_methods_are_allowed(world: World) -> None:
+    for path, allowed in [("/api/v1/agents", "GET, POST"),
+                          ("/api/v1/fleet", "GET"),
+                          ("/api/v1/fleet/kill", "POST")]:
+        r = await world.org_admin.delete(path)
+        assert r.status_code == 405 and _is_error(r.json()), (path, r.text)
+        assert r.headers.get("allow") == allowed, (path, r.headers)
+        # Every method it names is one the route takes.
+        for method in allowed.split(", "):
+            r = await world.org_admin.request(method, path)
+            assert r.status_code != 405, (method, path, r.status_code)
+
+
+async def test_heartbeats_have_a_minimum_interval(world: World) -> None:
+    agent = await world.agent()
+    before = await world.snapshot()
+    for every in (1, 59):
+        r = await world.org_admin.post(f"/api/v1/agents/{agent['id']}/heartbeats", json={
+            "name": "fast", "task_body": "x", "every_seconds": every})
+        assert r.status_code == 422 and "every_seconds" in r.json()["hint"], r.text
+    r = await world.org_admin.post("/api/v1/agents", json={
+        "slug": "fast", "display_name": "fast",
+        "heartbeats": [{"name": "fast", "task_body": "x", "every_seconds": 1}]})
+    assert r.status_code == 422, r.text
+    assert await world.snapshot() == before
+    r = await world.org_admin.post(f"/api/v1/agents/{agent['id']}/heartbeats", json={
+        "name": "minutely", "task_body": "x", "every_seconds": 60})
+    assert r.status_code == 201, r.text
+    # Found by the fuzz: two of one name hit the primary key as a 500.
+    twice = {"name": "same", "task_body": "x", "every_seconds": 60}
+    r = await world.org_admin.post("/api/v1/agents", json={
+        "slug": "twice", "display_name": "twice", "heartbeats": [twice, twice]})
+    assert r.status_code == 409 and _is_error(r.json()), r.text
+
+
+async def test_manual_fires_stop_at_the_bound_of_unfinished_heartbeat_tasks(
+        world: World) -> None:
+    from covey.orchestrator import MAX_OPEN_HEARTBEAT_TASKS
+
+    agent = await world.agent(heartbeats=[{"name": "poll", "task_body": "hold",
+                                           "every_seconds": 3600}])
+    fire = f"/api/v1/agents/{agent['id']}/heartbeats/poll/fire"
+    # The scheduler may fire it once too (never fired: due at once): fire until refused.
+    for _ in range(MAX_OPEN_HEARTBEAT_TASKS + 1):
+        r = await world.org_admin.post(fire)
+        if r.status_code != 202:
+            break
+    assert r.status_code == 409, r.text
+    assert r.json()["error"] == "Too many unfinished heartbeat tasks", r.text
+    unfinished = await world.db.fetchval(
+        "SELECT count(*) FROM backlog_tasks WHERE agent_id=$1 AND origin='heartbeat'"
+        " AND state IN ('open','in_progress','blocked')", uuid.UUID(agent["id"]))
+    assert unfinished == MAX_OPEN_HEARTBEAT_TASKS
+
+
+async def test_scheduler_heartbeats_are_bounded_and_leave_a_creation_row(
+        world: World) -> None:
+    from covey.orchestrator import MAX_OPEN_HEARTBEAT_TASKS
+    from harness.waiting import eventually
+
+    agent = await world.agent()
+    aid = uuid.UUID(agent["id"])
+    # Ten unfinished heartbeat tasks already: the due heartbeat below must not add one.
+    held = [uuid.uuid4() for _ in range(MAX_OPEN_HEARTBEAT_TASKS)]
+    for task_id in held:
+        await world.db.execute(
+            "INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin, state)"
+            " VALUES ($1, $2, $3, 'old beat', 'hold', 'heartbeat', 'blocked')",
+            task_id, world.org.id, aid)
+    r = await world.org_admin.post(f"/api/v1/agents/{agent['id']}/heartbeats", json={
+        "name": "due", "task_body": "x", "every_seconds": 60})  # never fired: due at once
+    assert r.status_code == 201, r.text
+
+    async def heartbeat_tasks() -> int:
+        n: int = await world.db.fetchval(
+            "SELECT count(*) FROM backlog_tasks WHERE agent_id=$1 AND origin='heartbeat'", aid)
+        return n
+    await asyncio.sleep(2)  # several 300 ms ticks: nothing may fire in this window
+    assert await heartbeat_tasks() == MAX_OPEN_HEARTBEAT_TASKS, "fired past the bound"
+
+    await world.db.execute("UPDATE backlog_tasks SET state='cancelled' WHERE id=$1", held[0])
+    await eventually(lambda: _more(heartbeat_tasks, MAX_OPEN_HEARTBEAT_TASKS), 10,
+                     "the due heartbeat never fired once below the bound")
+    row = await world.db.fetchrow(
+        "SELECT tr.from_state, tr.to_state, tr.note FROM backlog_tasks t"
+        " JOIN task_transitions tr ON tr.task_id=t.id"
+        " WHERE t.agent_id=$1 AND t.title='heartbeat: due' ORDER BY tr.id LIMIT 1", aid)
+    assert row is not None, "the scheduler's heartbeat task has no transitions at all"
+    assert (row["from_state"], row["to_state"], row["note"]) == (
+        None, "open", "created by heartbeat")
+
+
+async def _more(count: Any, than: int) -> bool:
+    return bool(await count() > than)
+
+
+async def test_binary_frame_loses_the_daemon_at_once(world: World) -> None:
+    """A binary frame crashed the handler; a ready daemon's session then stayed running,
+    its task in progress, until the stale sweep 15 s later."""
+    from harness.waiting import eventually
+
+    ids, token = await _sandbox_with_token(world)
+    aid = uuid.UUID(ids["agent_id"])
+    task_id = uuid.uuid4()
+    await world.db.execute(
+        "INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin)"
+        " VALUES ($1, $2, $3, 't', 'hold', 'api')", task_id, world.org.id, aid)
+    headers = {"Authorization": f"Bearer {token}"}
+    async with websockets.connect(world.plane.ws_url, additional_headers=headers) as ws:
+        await ws.send(json.dumps({"type": "ready", "payload": ids}))
+        while (m := json.loads(await ws.recv()))["type"] != "assign_task":
+            pass
+        assert m["payload"]["task_id"] == str(task_id)
+        await ws.send(b"\x00\x01 not text")
+        answer = json.loads(await ws.recv())
+        assert answer["type"] == "error", answer
+        assert "Binary frames" in answer["payload"]["error"], answer
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            await ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 4400
+
+    async def lost() -> bool:
+        state = await world.db.fetchval(
+            "SELECT state FROM sessions WHERE sandbox_id=$1", uuid.UUID(ids["sandbox_id"]))
+        return bool(state == "lost")
+    # Well inside the 15 s daemon timeout: the loss is the protocol error, not the sweep.
+    await eventually(lost, 5, "the session of a daemon that broke protocol is still live")
+    reason = await world.db.fetchval(
+        "SELECT stop_reason FROM sessions WHERE sandbox_id=$1", uuid.UUID(ids["sandbox_id"]))
+    assert reason.startswith("protocol error"), reason
+    requeued = await world.db.fetchval(
+        "SELECT count(*) FROM task_transitions WHERE task_id=$1 AND from_state='in_progress'"
+        " AND to_state='open' AND note LIKE 'daemon lost%'", task_id)
+    assert requeued == 1, "the task was not requeued by the daemon-loss path"
+
+    # Binary before ready: refused like any other malformed hello.
+    _, other_token = await _sandbox_with_token(world)
+    async with websockets.connect(world.plane.ws_url, additional_headers={
+            "Authorization": f"Bearer {other_token}"}) as ws:
+        await ws.send(b"\x00")
+        answer = json.loads(await ws.recv())
+        assert "Binary frames" in answer["payload"]["error"], answer
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            await ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 4400
+
+
+async def test_openapi_document_tells_the_truth(world: World) -> None:
+    """The statuses the server answers, in the shape it answers them, with the credentials
+    it takes; FastAPI's own document had success codes and a {"detail"} 422 only."""
+    doc = (await world.anonymous.get("/openapi.json")).json()
+    schemas = doc["components"]["schemas"]
+    assert "HTTPValidationError" not in schemas
+    assert set(schemas["ErrorOut"]["required"]) == {"error", "hint"}
+    assert set(doc["components"]["securitySchemes"]) == {"bearer", "session"}
+    for path, operations in doc["paths"].items():
+        for op in operations.values():
+            for code, response in op["responses"].items():
+                if code[0] in "45":
+                    schema = response["content"]["application/json"]["schema"]
+                    assert schema == {"$ref": "#/components/schemas/ErrorOut"}, (path, code)
+    kill = doc["paths"]["/api/v1/fleet/kill"]["post"]
+    assert {"200", "401", "403"} <= set(kill["responses"]) and kill["security"]
+    create = doc["paths"]["/api/v1/agents/{agent_id}/tasks"]["post"]
+    assert {"201", "400", "401", "403", "404", "413", "422"} <= set(create["responses"])
+    login = doc["paths"]["/api/v1/auth/login"]["post"]
+    assert "401" in login["responses"] and "security" not in login
+    task = schemas["TaskIn"]["properties"]
+    assert task["body"]["maxLength"] + task["title"]["maxLength"] < 64 * 1024
+    assert schemas["HeartbeatIn"]["properties"]["every_seconds"]["minimum"] == 60
+    # The task's limits in the document are the ones the server enforces.
+    agent = await world.agent()
+    r = await world.org_admin.post(f"/api/v1/agents/{agent['id']}/tasks", json={
+        "title": "t", "body": "x" * (task["body"]["maxLength"] + 1)})
+    assert r.status_code == 422, r.text
+    r = await world.org_admin.post(f"/api/v1/agents/{agent['id']}/tasks", json={
+        "title": "t" * task["title"]["maxLength"], "body": "x" * task["body"]["maxLength"]})
+    assert r.status_code == 201, "the longest task the document allows was refused"

@@ -137,7 +137,7 @@ async def test_every_wake_path_is_refused_while_the_fleet_is_stopped(world: Worl
 async def _assert_every_path_refused(world: World, agent: dict) -> None:
     aid = agent["id"]
     # Added while stopped, a heartbeat is due at once: only the switch keeps it from firing.
-    hb = {"name": "hourly", "task_body": "work:0", "every_seconds": 1}
+    hb = {"name": "hourly", "task_body": "work:0", "every_seconds": 60}
     r = await world.org_admin.post(f"/api/v1/agents/{aid}/heartbeats", json=hb)
     assert r.status_code == 201, r.text
     before_sessions = await world.db.fetchval("SELECT count(*) FROM sessions")

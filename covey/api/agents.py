@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 from uuid import UUID, uuid4
 
 import asyncpg
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Path, Query, Request
+from pydantic import AfterValidator
 
 from covey.api.deps import AnyRole, Killer, Manage, Orch, arrived
 from covey.api.models import (
+    MAX_EXACT_INT,
     AcceptedTaskOut,
     AgentCreatedOut,
     AgentIn,
@@ -25,12 +27,15 @@ from covey.api.models import (
     TaskIn,
     TaskOut,
     TaskPatch,
+    TaskState,
     TransitionOut,
     WakeOut,
+    storable_text,
 )
 from covey.db import Connection, fetch_one
 from covey.errors import ApiError, not_found, stopped
 from covey.orchestrator import (
+    MAX_OPEN_HEARTBEAT_TASKS,
     KillReport,
     Orchestrator,
     ResumeReport,
@@ -42,6 +47,10 @@ from covey.orchestrator import (
 from covey.security import new_token, token_hash
 
 router = APIRouter(prefix="/api/v1/agents", tags=["agents"])
+
+HeartbeatPathName = Annotated[str, Path(min_length=1, max_length=64,
+                                        pattern=r"^[a-z0-9][a-z0-9_-]*$"),
+                              AfterValidator(storable_text)]
 
 AGENT_COLUMNS = """
     a.id, a.org_id, a.slug, a.display_name, a.owner_id, a.status, a.killed, a.kill_origin,
@@ -127,7 +136,10 @@ async def list_agents(who: AnyRole, orch: Orch) -> list[AgentOut]:
     return [AgentOut(**dict(r)) for r in rows]
 
 
-@router.post("", response_model=AgentCreatedOut, status_code=201)
+@router.post("", response_model=AgentCreatedOut, status_code=201,
+             responses={404: {"description": "No such owner in your organisation"},
+                        409: {"description": "An agent with that slug exists, or two of its"
+                                             " heartbeats have one name"}})
 async def create_agent(body: AgentIn, who: Manage, orch: Orch) -> AgentCreatedOut:
     """Create an agent. One created while the fleet stop stands does not run until resume."""
     agent_id = uuid4()
@@ -136,7 +148,8 @@ async def create_agent(body: AgentIn, who: Manage, orch: Orch) -> AgentCreatedOu
     async with orch.pool.acquire() as conn, conn.transaction():
         if not await conn.fetchval("SELECT 1 FROM humans WHERE id=$1 AND org_id=$2",
                                    owner, who.org_id):
-            raise ApiError(422, "Unknown owner", "owner_id must be a human of your organisation.")
+            raise ApiError(404, "No such owner",
+                           "owner_id must be a human of your organisation.")
         try:
             await conn.execute(
                 "INSERT INTO agents (id, org_id, slug, display_name, owner_id, warm_sandbox,"
@@ -149,6 +162,12 @@ async def create_agent(body: AgentIn, who: Manage, orch: Orch) -> AgentCreatedOu
         except asyncpg.UniqueViolationError:
             raise ApiError(409, "An agent with that slug exists",
                            "Slugs are unique within an organisation; pick another.") from None
+        names = [hb.name for hb in body.heartbeats]
+        if len(set(names)) < len(names):
+            # A schema cannot say "unique by name"; the primary key would, as a 500.
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ApiError(409, "Two heartbeats of one name",
+                           f"Heartbeat names are unique per agent: {', '.join(twice)}.")
         for hb in body.heartbeats:
             await conn.execute(
                 "INSERT INTO agent_heartbeats (agent_id, name, task_body, every_seconds)"
@@ -168,7 +187,8 @@ async def get_agent(agent_id: UUID, who: AnyRole, orch: Orch) -> AgentOut:
 
 @router.get("/{agent_id}/backlog", response_model=list[TaskOut])
 async def backlog(agent_id: UUID, who: AnyRole, orch: Orch,
-                  state: str | None = Query(default=None, description="only tasks in this state")
+                  state: Annotated[TaskState | None,
+                                   Query(description="only tasks in this state")] = None,
                   ) -> list[TaskOut]:
     await agent_of_org(orch, who.org_id, agent_id)
     rows = await orch.pool.fetch(
@@ -209,16 +229,15 @@ async def create_task(agent_id: UUID, body: TaskIn, who: Manage, orch: Orch) -> 
     return TaskOut(**task)
 
 
-@router.patch("/{agent_id}/tasks/{task_id}", response_model=TaskOut)
+@router.patch("/{agent_id}/tasks/{task_id}", response_model=TaskOut,
+              responses={409: {"description": "The task is being worked on or finished"}})
 async def change_task(agent_id: UUID, task_id: UUID, body: TaskPatch, who: Manage, orch: Orch
                       ) -> TaskOut:
     """Change a task that is not being worked on. A blocked task opens again. Changing the
     input of an agent that its guard stopped releases it: the guard holds an agent only
     against the same input (DESIGN §2.4); any other switch still holds."""
     await agent_of_org(orch, who.org_id, agent_id)
-    changes = body.model_dump(exclude_none=True)
-    if not changes:
-        raise ApiError(422, "Nothing to change", "Send title, body or priority.")
+    changes = body.model_dump(exclude_none=True)  # the model refuses an empty change
     async with orch.pool.acquire() as conn, conn.transaction():
         await lock_agent(conn, agent_id, write=True)  # the one lock order: agent, then task
         current = await conn.fetchrow(
@@ -270,7 +289,8 @@ async def heartbeats(agent_id: UUID, who: AnyRole, orch: Orch) -> list[Heartbeat
     return [HeartbeatOut(**dict(r)) for r in rows]
 
 
-@router.post("/{agent_id}/heartbeats", response_model=HeartbeatOut, status_code=201)
+@router.post("/{agent_id}/heartbeats", response_model=HeartbeatOut, status_code=201,
+             responses={409: {"description": "A heartbeat of that name exists"}})
 async def add_heartbeat(agent_id: UUID, body: HeartbeatIn, who: Manage, orch: Orch
                         ) -> HeartbeatOut:
     await agent_of_org(orch, who.org_id, agent_id)
@@ -287,8 +307,10 @@ async def add_heartbeat(agent_id: UUID, body: HeartbeatIn, who: Manage, orch: Or
 
 
 @router.post("/{agent_id}/heartbeats/{name}/fire", response_model=AcceptedTaskOut,
-             status_code=202, responses={409: {"description": "Agent or fleet is stopped"}})
-async def fire_heartbeat(agent_id: UUID, name: str, who: Manage, orch: Orch
+             status_code=202, responses={409: {
+                 "description": "Agent or fleet is stopped, or the agent has"
+                                f" {MAX_OPEN_HEARTBEAT_TASKS} unfinished heartbeat tasks"}})
+async def fire_heartbeat(agent_id: UUID, name: HeartbeatPathName, who: Manage, orch: Orch
                          ) -> AcceptedTaskOut:
     await agent_of_org(orch, who.org_id, agent_id)
     async with orch.pool.acquire() as conn, conn.transaction():
@@ -302,6 +324,13 @@ async def fire_heartbeat(agent_id: UUID, name: str, who: Manage, orch: Orch
             raise not_found("heartbeat")
         if stopped_now:
             raise stopped()
+        unfinished = await conn.fetchval(
+            "SELECT count(*) FROM backlog_tasks WHERE agent_id=$1 AND origin='heartbeat'"
+            " AND state IN ('open','in_progress','blocked')", agent_id)
+        if unfinished >= MAX_OPEN_HEARTBEAT_TASKS:
+            raise ApiError(409, "Too many unfinished heartbeat tasks",
+                           f"The agent has {unfinished}; at most {MAX_OPEN_HEARTBEAT_TASKS}"
+                           " may wait. Let it work them off, or cancel some.")
         await conn.execute(
             "UPDATE agent_heartbeats SET last_fired_at=now() WHERE agent_id=$1 AND name=$2",
             agent_id, name,
@@ -314,7 +343,8 @@ async def fire_heartbeat(agent_id: UUID, name: str, who: Manage, orch: Orch
 
 @router.get("/{agent_id}/recording", response_model=list[RecordingOut])
 async def recording(agent_id: UUID, who: AnyRole, orch: Orch,
-                    after: int = Query(default=0, ge=0, description="only events after this id"),
+                    after: int = Query(default=0, ge=0, le=MAX_EXACT_INT,
+                                       description="only events after this id"),
                     ) -> list[RecordingOut]:
     await agent_of_org(orch, who.org_id, agent_id)
     rows = await orch.pool.fetch(

@@ -19,7 +19,8 @@ router = APIRouter(prefix="/api/v1", tags=["auth"])
 SESSION_HOURS = 12
 
 
-@router.post("/auth/login", response_model=MeOut)
+@router.post("/auth/login", response_model=MeOut,
+             responses={401: {"description": "Wrong email or password"}})
 async def login(body: LoginIn, response: Response, orch: Orch) -> MeOut:
     row = await orch.pool.fetchrow(
         "SELECT id, org_id, email, role, password_hash FROM humans WHERE email=$1",
@@ -75,7 +76,8 @@ async def insert_human(conn: Connection, org_id: UUID, email: str, password: str
     return human_id
 
 
-@router.post("/members", response_model=MeOut, status_code=201)
+@router.post("/members", response_model=MeOut, status_code=201,
+             responses={409: {"description": "That email is already taken"}})
 async def add_member(body: MemberIn, who: OrgAdmin, orch: Orch) -> MeOut:
     async with orch.pool.acquire() as conn, conn.transaction():
         human_id = await insert_human(conn, who.org_id, body.email, body.password, body.role)
@@ -96,7 +98,9 @@ async def create_org(conn: Connection, name: str, admin_email: str, admin_passwo
     return org_id, admin_id
 
 
-@router.post("/platform/orgs", response_model=OrgOut, status_code=201)
+@router.post("/platform/orgs", response_model=OrgOut, status_code=201,
+             responses={409: {"description": "An organisation of that name or that admin"
+                                             " email exists"}})
 async def add_org(body: OrgIn, who: PlatformAdmin, orch: Orch) -> OrgOut:
     async with orch.pool.acquire() as conn, conn.transaction():
         org_id, admin_id = await create_org(conn, body.name, body.admin_email,

@@ -6,6 +6,7 @@ short-lived, single-use token and must first say `ready` naming its agent and sa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from datetime import UTC, datetime
@@ -35,6 +36,23 @@ class ProtocolError(Exception):
         super().__init__(error)
         self.error = error
         self.hint = hint
+
+
+class FatalProtocolError(ProtocolError):
+    """Out of protocol in a way that ends the conversation: the daemon is lost at once."""
+
+
+async def _receive_text(ws: WebSocket) -> str:
+    """The next text frame. A binary frame once crashed the handler (KeyError: 'text') and
+    left a ready daemon's session running, its task in progress, until the stale sweep."""
+    message = await ws.receive()
+    if message["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(message.get("code", 1000))
+    text = message.get("text")
+    if text is None:
+        raise FatalProtocolError("Binary frames are not part of the protocol",
+                                 'send text frames of JSON: {"type": ..., "payload": {...}}')
+    return str(text)
 
 
 def _uuid(payload: dict[str, Any], key: str) -> UUID:
@@ -109,7 +127,7 @@ async def daemon_ws(ws: WebSocket) -> None:
                       "Send 'Authorization: Bearer <COVEY_DAEMON_TOKEN>'.")
         return
     try:
-        kind, payload = parse(await ws.receive_text())
+        kind, payload = parse(await _receive_text(ws))
         if kind != "ready":
             raise ProtocolError("First message must be ready", "send ready with agent_id and "
                                 "sandbox_id")
@@ -138,15 +156,20 @@ async def daemon_ws(ws: WebSocket) -> None:
         return
     link = DaemonLink(session["id"], agent_id, ws)
     orch.hub.attach(link)
+    why = "control channel closed"
     try:
         await _serve(orch, ws, link, dict(session))
     except WebSocketDisconnect:
         pass
+    except FatalProtocolError as exc:
+        why = f"protocol error: {exc.error}"
+        with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
+            await _reject(ws, CLOSE_PROTOCOL, exc.error, exc.hint)
     finally:
         orch.hub.detach(link.session_id)
     # Gone without `sleep` or `kill`, the daemon is lost and its work goes back to the
     # backlog (counted against daemon_retries). A no-op for a session already ended or killed.
-    await orch.session_lost(link.session_id, "control channel closed")
+    await orch.session_lost(link.session_id, why)
     await save_kill_confirmation(orch, link)
 
 
@@ -169,7 +192,7 @@ async def _serve(orch: Orchestrator, ws: WebSocket, link: DaemonLink,
         await send_to(link, "lease", {"ttl_ms": orch.settings.lease_ms})
         await _assign_next(orch, link)
     while True:
-        text = await ws.receive_text()
+        text = await _receive_text(ws)
         try:
             kind, payload = parse(text)
             await _handle(orch, link, kind, payload)

@@ -74,6 +74,10 @@ async def current_principal(request: Request, orch: Orch) -> Principal:
     return Principal(row["id"], row["org_id"], row["email"], row["role"])
 
 
+# The role checks, so that the OpenAPI document can say which routes answer 403.
+ROLE_CHECKS: set[Callable[..., Any]] = set()
+
+
 def require(*roles: str) -> Callable[..., Coroutine[Any, Any, Principal]]:
     async def dependency(
         who: Annotated[Principal, Depends(current_principal)],
@@ -83,6 +87,7 @@ def require(*roles: str) -> Callable[..., Coroutine[Any, Any, Principal]]:
                            f"Allowed roles: {', '.join(roles)}; you are {who.role}.")
         return who
 
+    ROLE_CHECKS.add(dependency)
     return dependency
 
 

@@ -6,13 +6,68 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 from uuid import UUID
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictStr,
+    model_validator,
+)
+from pydantic.json_schema import SkipJsonSchema
+
+from covey.orchestrator import HEARTBEAT_MIN_S, MAX_OPEN_HEARTBEAT_TASKS
+
+
+def storable_text(value: str) -> str:
+    """Postgres refuses NUL in text and jsonb, and UTF-8 has no lone surrogates: either
+    reached the database as a 500 once. Every string of a request passes here first."""
+    if "\x00" in value:
+        raise ValueError("NUL characters (\\u0000) are not allowed; remove them")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("lone UTF-16 surrogates are not allowed; send valid Unicode") from None
+    return value
+
+
+def _number_not_text(value: Any) -> Any:
+    if isinstance(value, bool | str):
+        raise ValueError("must be a JSON number, not a boolean or a string")
+    return value
+
+
+# JSON's integers: 3 and 3.0 (the same number), never true, "3" or 3.5. Pydantic's strict
+# int refuses 3.0, which JSON Schema calls an integer; its lax int took true as 1.
+# (Bounds go before NUMBER in an Annotated: after it, pydantic leaves them out of the schema.)
+NUMBER = BeforeValidator(_number_not_text)
+Integer = Annotated[int, NUMBER]
+
+# The pattern says the same in the OpenAPI document, so clients and fuzzers know it.
+NO_NUL = r"^[^\x00]*$"
+Text = Annotated[StrictStr, AfterValidator(storable_text),
+                 Field(json_schema_extra={"pattern": NO_NUL})]
+"""A string from a request: any of them, body, path or query."""
 
 # Deliverability is not ours to judge (game days use reserved domains such as .test);
 # the shape is.
-Email = Annotated[StrictStr, Field(min_length=3, max_length=320, pattern=r"^[^@\s]+@[^@\s]+$")]
+Email = Annotated[StrictStr,
+                  Field(min_length=3, max_length=320, pattern=r"^[^@\s\x00]+@[^@\s\x00]+$"),
+                  AfterValidator(storable_text)]
 Role = Literal["org_admin", "agent_owner", "security", "auditor", "controlling"]
 TaskState = Literal["open", "in_progress", "blocked", "done", "failed", "cancelled"]
+HeartbeatName = Annotated[StrictStr, Field(min_length=1, max_length=64,
+                                           pattern=r"^[a-z0-9][a-z0-9_-]*$")]
+# The largest integer a JSON number holds exactly (a double's 53 bits): beyond it two
+# different numbers compare equal in many clients' validators, and Postgres's bigint ends
+# at 2**63 - 1 anyway. A larger cursor once overflowed there as a 500.
+MAX_EXACT_INT = 2**53 - 1
+# A plain-text task body fits in one request (64 KiB) with its title; escaped or multibyte
+# text can pass the byte limit first, and that is a 413.
+MAX_TASK_BODY = 60_000
 
 
 class Strict(BaseModel):
@@ -21,7 +76,7 @@ class Strict(BaseModel):
 
 class LoginIn(Strict):
     email: Email
-    password: StrictStr = Field(min_length=1, max_length=512)
+    password: Text = Field(min_length=1, max_length=512)
 
 
 class MeOut(BaseModel):
@@ -32,7 +87,7 @@ class MeOut(BaseModel):
 
 
 class TokenIn(Strict):
-    name: StrictStr = Field(min_length=1, max_length=100)
+    name: Text = Field(min_length=1, max_length=100)
 
 
 class TokenOut(BaseModel):
@@ -42,14 +97,14 @@ class TokenOut(BaseModel):
 
 class MemberIn(Strict):
     email: Email
-    password: StrictStr = Field(min_length=8, max_length=512)
+    password: Text = Field(min_length=8, max_length=512)
     role: Role
 
 
 class OrgIn(Strict):
-    name: StrictStr = Field(min_length=1, max_length=100)
+    name: Text = Field(min_length=1, max_length=100)
     admin_email: Email
-    admin_password: StrictStr = Field(min_length=8, max_length=512)
+    admin_password: Text = Field(min_length=8, max_length=512)
 
 
 class OrgOut(BaseModel):
@@ -59,9 +114,12 @@ class OrgOut(BaseModel):
 
 
 class HeartbeatIn(Strict):
-    name: StrictStr = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_-]*$")
-    task_body: StrictStr = Field(max_length=20_000)
-    every_seconds: StrictInt = Field(ge=1, le=7 * 24 * 3600)
+    name: HeartbeatName
+    task_body: Text = Field(max_length=4_000)
+    every_seconds: Integer = Field(
+        ge=HEARTBEAT_MIN_S, le=7 * 24 * 3600,
+        description=f"At least {HEARTBEAT_MIN_S} s. The scheduler fires no heartbeat of an"
+                    f" agent that has {MAX_OPEN_HEARTBEAT_TASKS} unfinished heartbeat tasks.")
 
 
 class HeartbeatOut(BaseModel):
@@ -74,26 +132,27 @@ class HeartbeatOut(BaseModel):
 class GuardIn(Strict):
     """Per-agent guard thresholds; what is left out takes the daemon's default."""
 
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
-    max_tool_calls: StrictInt | None = Field(default=None, ge=1)
-    max_wall_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    loop_window: StrictInt | None = Field(default=None, ge=2, le=1000)
-    loop_repeats: StrictInt | None = Field(default=None, ge=2, le=1000)
-    cycle_max_period: StrictInt | None = Field(default=None, ge=2, le=20)
-    cycle_repeats: StrictInt | None = Field(default=None, ge=2, le=100)
-    breaker_failures: StrictInt | None = Field(default=None, ge=1, le=1000)
-    breaker_cooldown_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_EXACT_INT), NUMBER] | None = None
+    max_tool_calls: Annotated[int, Field(ge=1, le=MAX_EXACT_INT), NUMBER] | None = None
+    max_wall_s: StrictFloat | None = Field(default=None, gt=0, allow_inf_nan=False)
+    loop_window: Annotated[int, Field(ge=2, le=1000), NUMBER] | None = None
+    loop_repeats: Annotated[int, Field(ge=2, le=1000), NUMBER] | None = None
+    cycle_max_period: Annotated[int, Field(ge=2, le=20), NUMBER] | None = None
+    cycle_repeats: Annotated[int, Field(ge=2, le=100), NUMBER] | None = None
+    breaker_failures: Annotated[int, Field(ge=1, le=1000), NUMBER] | None = None
+    breaker_cooldown_s: StrictFloat | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
 class AgentIn(Strict):
     slug: StrictStr = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9-]*$")
-    display_name: StrictStr = Field(min_length=1, max_length=200)
+    display_name: Text = Field(min_length=1, max_length=200)
     owner_id: UUID | None = None
     warm_sandbox: StrictBool = False
-    budget_usd: float = Field(default=1.0, ge=0, le=100_000, allow_inf_nan=False)
-    max_turns: StrictInt = Field(default=20, ge=1, le=10_000)
-    model: StrictStr = Field(default="puppet", min_length=1, max_length=200)
-    heartbeats: list[HeartbeatIn] = Field(default_factory=list, max_length=50)
+    budget_usd: StrictFloat = Field(default=1.0, ge=0, le=100_000, allow_inf_nan=False)
+    max_turns: Integer = Field(default=20, ge=1, le=10_000)
+    model: Text = Field(default="puppet", min_length=1, max_length=200)
+    # At most 12 of at most 4,000 characters: with the rest, within the 64 KiB request limit.
+    heartbeats: list[HeartbeatIn] = Field(default_factory=list, max_length=12)
     guard: GuardIn = Field(default_factory=GuardIn)
 
 
@@ -120,15 +179,30 @@ class AgentCreatedOut(AgentOut):
 
 
 class TaskIn(Strict):
-    title: StrictStr = Field(min_length=1, max_length=500)
-    body: StrictStr = Field(default="", max_length=100_000)
-    priority: StrictInt = Field(default=0, ge=-1000, le=1000)
+    title: Text = Field(min_length=1, max_length=500)
+    body: Text = Field(default="", max_length=MAX_TASK_BODY)
+    priority: Integer = Field(default=0, ge=-1000, le=1000)
 
 
 class TaskPatch(Strict):
-    title: StrictStr | None = Field(default=None, min_length=1, max_length=500)
-    body: StrictStr | None = Field(default=None, max_length=100_000)
-    priority: StrictInt | None = Field(default=None, ge=-1000, le=1000)
+    """What to change; what is left out stays. null is no value: leave the field out."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"minProperties": 1})
+
+    title: Annotated[Text, Field(min_length=1, max_length=500)] | SkipJsonSchema[None] = None
+    body: Annotated[Text, Field(max_length=MAX_TASK_BODY)] | SkipJsonSchema[None] = None
+    priority: Annotated[int, Field(ge=-1000, le=1000), NUMBER] | SkipJsonSchema[None] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            nulls = sorted(k for k, v in data.items() if v is None)
+            if nulls:
+                raise ValueError(f"leave out what does not change instead of null: {nulls}")
+            if not data:
+                raise ValueError("send at least one of title, body, priority")
+        return data
 
 
 class TaskOut(BaseModel):
@@ -157,8 +231,8 @@ class TaskDetailOut(TaskOut):
 
 
 class TriggerIn(Strict):
-    title: StrictStr = Field(default="triggered", min_length=1, max_length=500)
-    body: StrictStr = Field(default="", max_length=100_000)
+    title: Text = Field(default="triggered", min_length=1, max_length=500)
+    body: Text = Field(default="", max_length=MAX_TASK_BODY)
 
 
 class WakeOut(BaseModel):

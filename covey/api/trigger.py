@@ -4,20 +4,25 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Body
+from fastapi import APIRouter, Body, Path
+from pydantic import AfterValidator
 
 from covey.api.agents import agent_is_stopped, insert_task, wake_out
 from covey.api.deps import Orch
-from covey.api.models import AcceptedTaskOut, TaskOut, TriggerIn
+from covey.api.models import NO_NUL, AcceptedTaskOut, TaskOut, TriggerIn, storable_text
 from covey.errors import ApiError, stopped
 from covey.security import token_hash
 
 router = APIRouter(tags=["trigger"])
 
+TriggerToken = Annotated[str, Path(min_length=1, max_length=200,
+                                   json_schema_extra={"pattern": NO_NUL}),
+                         AfterValidator(storable_text)]
+
 
 @router.post("/api/trigger/{token}", response_model=AcceptedTaskOut, status_code=202,
              responses={409: {"description": "Agent or fleet is stopped"}})
-async def trigger(token: str, orch: Orch,
+async def trigger(token: TriggerToken, orch: Orch,
                   body: Annotated[TriggerIn | None, Body()] = None) -> AcceptedTaskOut:
     body = body or TriggerIn()
     async with orch.pool.acquire() as conn, conn.transaction():
