@@ -47,6 +47,7 @@ from benchmarks.stack import (
     ServedPlane,
     bench_database,
     create_org,
+    host_cpu_busy_s,
     kill_stage_totals,
     load_average,
     machine,
@@ -78,6 +79,7 @@ class FleetKill:
     sessions_confirmed: int
     tasks_requeued: int
     plane_cpu_during_answer_ms: float
+    host_cpu_during_answer_ms: float  # every process on the host, the daemons' exits included
     plane_rss_idle_mib: float
     plane_rss_connected_mib: float
     plane_rss_peak_mib: float
@@ -212,11 +214,11 @@ async def kill_fleet(plane: ServedPlane, db: asyncpg.Pool, fleet: Fleet, number:
         loadavg = load_average()
         async with RawHttp.open(plane.url, f"Bearer {fleet.org.tokens['security']}") as security:
             async with rss_peak(plane) as peak:
-                cpu_before = plane.cpu_s()
+                cpu_before, host_before = plane.cpu_s(), host_cpu_busy_s()
                 requested = time.time_ns()
                 status, answer = await security.request("POST", "/api/v1/fleet/kill", timeout)
                 answered = time.time_ns()
-                cpu_after = plane.cpu_s()
+                cpu_after, host_after = plane.cpu_s(), host_cpu_busy_s()
         if status != 200:
             raise BenchmarkError(f"fleet kill answered {status}: {answer}")
         listed = {k: len(answer[k]) for k in
@@ -237,6 +239,7 @@ async def kill_fleet(plane: ServedPlane, db: asyncpg.Pool, fleet: Fleet, number:
         to_all_exited_ms=ms(exited - requested),
         sessions_confirmed=listed["sessions_confirmed"], tasks_requeued=listed["tasks_requeued"],
         plane_cpu_during_answer_ms=(cpu_after - cpu_before) * 1000,
+        host_cpu_during_answer_ms=(host_after - host_before) * 1000,
         plane_rss_idle_mib=rss_idle_kib / 1024, plane_rss_connected_mib=rss_connected / 1024,
         plane_rss_peak_mib=peak[0] / 1024,
         server_stages_ms=stage_means_ms(before, after, "fleet"),
@@ -309,13 +312,14 @@ def render_kill(k: FleetKill) -> str:
     return (f"{k.sandboxes:>6} {k.round:>3} {k.to_first_daemon_ms:>8.1f}"
             f"{k.to_median_daemon_ms:>9.1f}{k.to_last_daemon_ms:>9.1f}{k.to_answer_ms:>9.1f}"
             f"{k.to_all_exited_ms:>10.0f}{k.plane_cpu_during_answer_ms:>8.0f}"
+            f"{k.host_cpu_during_answer_ms:>8.0f}"
             f"{k.plane_rss_idle_mib:>7.0f}{k.plane_rss_connected_mib:>7.0f}"
             f"{k.plane_rss_peak_mib:>7.0f}  load {k.loadavg}; stages {stages};"
             f" exit codes {k.exit_codes}")
 
 
-HEADER = ("  size rnd   first   median     last   answer  all-gone  cpu-ms   rss:  idle"
-          "   conn   peak (ms, MiB)")
+HEADER = ("  size rnd   first   median     last   answer  all-gone  cpu-ms    host   rss:"
+          "  idle   conn   peak (ms, MiB)")
 
 
 def render(report: Report) -> str:

@@ -1,7 +1,8 @@
 """The benchmarks' sandbox daemon: speaks the real protocol over a real WebSocket, started
 by the real `process` sandbox backend, holds the task it is given until it is killed, and on
-`kill` exits 3 at once, as covey/coveyd.py does (and as tests/support/scripted_daemon.py does
-with SCRIPTED_DAEMON_PLAIN_KILL=1; benchmarks do not import tests/).
+`kill` hangs up and exits 3 at once, without the interpreter's teardown, as covey/coveyd.py
+does (and as tests/support/scripted_daemon.py does with SCRIPTED_DAEMON_PLAIN_KILL=1;
+benchmarks do not import tests/).
 
 It writes down one thing: the wall-clock ns at which it read its `kill`, in
 $HOME/kill_received (the sandbox's work folder, kept by the runner as evidence), so that the
@@ -36,7 +37,8 @@ async def main() -> int:
             kind = json.loads(raw)["type"]
             if kind == "kill":
                 note_kill(time.time_ns())
-                return EXIT_KILLED
+                ws.transport.abort()  # as coveyd does: no closing handshake,
+                os._exit(EXIT_KILLED)  # no interpreter teardown
             if kind == "sleep":
                 return 0
     return 1

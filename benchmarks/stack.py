@@ -265,6 +265,14 @@ async def create_org(db: asyncpg.Pool, name: str,
     return BenchOrg(org_id, tokens)
 
 
+def host_cpu_busy_s() -> float:
+    """CPU time the whole host has spent busy so far (all cores, all processes), from
+    /proc/stat: beside the control plane's own, it shows what else ran meanwhile."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def memory_available_mib() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):

@@ -684,8 +684,6 @@ class Orchestrator:
         sandboxes. `conn` is the flag's connection: a few statements on it, whatever the
         fleet's size."""
         session_ids = [s["id"] for s in live]
-        if self.runner is not None:
-            self.runner.yield_cpu([s["sandbox_id"] for s in live])
         delivered = await asyncio.gather(*(self.hub.send_kill(s) for s in session_ids))
         report.kill_delivered = [s for s, ok in zip(session_ids, delivered, strict=True) if ok]
         metrics.kill_stage_seconds.labels(scope, "kill_sent").observe(

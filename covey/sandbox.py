@@ -47,11 +47,6 @@ class SandboxProvider(Protocol):
         """Remove the sandbox now, whatever its daemon is doing."""
         ...
 
-    def yield_cpu(self, handle: str) -> None:
-        """The sandbox is being stopped: from now on it gets the CPU after the control
-        plane. Best effort, and cheap enough to call for a thousand sandboxes at once."""
-        ...
-
     async def close(self) -> None:
         """The control plane is going away: no sandbox of this provider outlives it."""
         ...
@@ -107,23 +102,6 @@ class ProcessProvider:
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-
-    def yield_cpu(self, handle: str) -> None:
-        """Lowest priority for the sandbox's processes. A fleet kill's daemons all exit at
-        once, and the kernel gives each session (each sandbox) the same share of the CPU as
-        the control plane: 200 exiting interpreters left it 1/200 of the host, and the
-        kill's answer, which needs a few tens of ms of CPU, took 3 s. The daemon has its
-        kill by then, or it is on the wire; it reads it, hangs up and exits all the same,
-        only after the control plane when both want the CPU."""
-        proc = self._procs.get(handle)
-        if proc is None or proc.returncode is not None:
-            return
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PGRP, proc.pid, 19)
-        # With autogroups (a desktop or VM kernel), the session's own nice is what counts.
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{proc.pid}/autogroup", "w") as autogroup:
-                autogroup.write("19")
 
     async def close(self) -> None:
         for handle in list(self._procs):
@@ -257,10 +235,6 @@ class DockerProvider:
                     container.remove(force=True)
 
         await asyncio.to_thread(sweep)
-
-    def yield_cpu(self, handle: str) -> None:
-        """Nothing yet: containers have their own CPU shares, and changing them is an Engine
-        API call per container, too slow for the kill path."""
 
     async def destroy(self, handle: str) -> None:
         def kill() -> None:
@@ -436,13 +410,6 @@ class Runner:
             "SELECT id, agent_id FROM sandboxes WHERE state='evicted' AND node=$1", self.node)
         for row in evicted:
             await self._discard(row["id"], row["agent_id"])
-
-    def yield_cpu(self, sandbox_ids: list[UUID]) -> None:
-        """Sandboxes about to be told to stop give the CPU to the control plane first."""
-        for sandbox_id in sandbox_ids:
-            handle = self._handles.get(sandbox_id)
-            if handle is not None:
-                self._provider.yield_cpu(handle)
 
     def tear_down(self, sandbox_ids: list[UUID], told_to_stop: set[UUID]) -> None:
         """Make sure these sandboxes end. One whose daemon was told to stop gets the grace

@@ -86,7 +86,7 @@ async def main() -> int:
                             if answer["type"] == "error":
                                 break
                 print("kill switch: daemon terminates immediately", flush=True)
-                return 3
+                os._exit(3)  # as coveyd does: no interpreter teardown
             elif kind == "sleep":
                 return 0
     return 1
