@@ -251,8 +251,11 @@ async def resume_fleet(plane: ServedPlane, db: asyncpg.Pool, fleet: Fleet, timeo
     headers = {"Authorization": f"Bearer {fleet.org.tokens['security']}"}
     async with httpx.AsyncClient(base_url=plane.url, headers=headers, timeout=120) as security:
         r = await security.post("/api/v1/fleet/resume")
-    if r.status_code != 200 or len(r.json()["agents_woken"]) != len(fleet.agent_ids):
-        raise BenchmarkError(f"fleet resume did not wake every agent: {r.status_code}")
+    # Not every agent need be in agents_woken: the requeue's own wakes (refused while the
+    # stop stood) may still be queued, and one that runs after the resume starts the agent
+    # first. Every task working again is what counts.
+    if r.status_code != 200:
+        raise BenchmarkError(f"fleet resume answered {r.status_code}: {r.text[:300]}")
     await wait_in_progress(db, fleet.task_ids, timeout)
 
 
