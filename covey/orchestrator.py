@@ -530,7 +530,7 @@ class Orchestrator:
         """Settle the session of a sandbox whose daemon exited; True if it had ended cleanly
         (told to sleep), so that its home is worth syncing or parking."""
         await self.session_lost(session_id, f"daemon exited with code {code}")
-        if self.hub.kill_sent(session_id):  # cancelled by a kill: never a clean end
+        if code != 0 and self.hub.kill_sent(session_id):  # cancelled by a kill: not clean
             return False
         state = await self.pool.fetchval("SELECT state FROM sessions WHERE id=$1", session_id)
         return bool(state == "ended")
@@ -593,8 +593,7 @@ class Orchestrator:
         # One connection for both of the kill's transactions, held between them: a kill
         # must not wait for a second pool connection while it holds one (a hundred kills
         # at once emptied the pool that way), nor queue for its requeue behind the
-        # bookkeeping of the very exits it caused (a fleet kill's answer once waited 3 s
-        # behind 200 of them).
+        # statements of the very exits it caused (a fleet kill causes hundreds at once).
         async with self.pool.acquire() as conn:
             done = await self._switch(conn, flag, "agent", started)
             if done is None:
