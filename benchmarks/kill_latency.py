@@ -422,7 +422,9 @@ async def _fleet_kills(world: World, security: RawHttp, held: list[Holding], rou
         if number:
             status, resumed = await security.request("POST", "/api/v1/fleet/resume")
             if status != 200 or len(resumed["agents_woken"]) != agents:
-                raise BenchmarkError(f"fleet resume did not wake every agent: {status}")
+                raise BenchmarkError(
+                    f"fleet resume did not wake every agent: {status}, woke"
+                    f" {len(resumed['agents_woken'])}, released {len(resumed['agents_released'])}")
             await wait_in_progress(world, held, timeout)
         live = [r["id"] for r in await world.db.fetch(
             "SELECT id FROM sandboxes WHERE agent_id = ANY($1::uuid[]) AND state='running'",
