@@ -32,14 +32,12 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import os
-import platform
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -50,6 +48,20 @@ import httpx
 import websockets
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.stack import (
+    BenchmarkError,
+    RawHttp,
+    bench_database,
+    kill_stage_totals,
+    load_average,
+    machine,
+    ms,
+    percentile,
+    postgres_server,
+    stage_means_ms,
+    summary,
+    until,
+)
 from covey.config import Settings
 from covey.logs import configure as configure_logs
 from tests.support import plane as plane_support
@@ -58,36 +70,12 @@ from tests.support.plane import Org, Plane, World, make_world, start_plane
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTED_DAEMON = [sys.executable,
                    str(Path(plane_support.__file__).with_name("scripted_daemon.py"))]
-STAGES = ("flag_committed", "kill_sent", "requeued")
 # The message the floor sends: as long as a real `kill`.
 FLOOR_MESSAGE = json.dumps({"type": "kill", "payload": {"reason": "kill-switch",
                                                         "sent_at_ns": time.time_ns()}})
 
 
-class BenchmarkError(RuntimeError):
-    """The run cannot give a meaningful figure: a kill that did not kill, a wait that ran out."""
-
-
 # ---------------------------------------------------------------- figures
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile: a value that was measured, never an interpolation."""
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
-
-
-def summary(values_ms: list[float]) -> dict[str, float]:
-    if not values_ms:
-        return {"n": 0}
-    return {"n": len(values_ms), "min": min(values_ms), "p50": percentile(values_ms, 50),
-            "p99": percentile(values_ms, 99), "max": max(values_ms),
-            "mean": sum(values_ms) / len(values_ms)}
-
-
-def ms(ns: int) -> float:
-    return ns / 1e6
 
 
 @dataclass
@@ -165,59 +153,7 @@ class Report:
 # ---------------------------------------------------------------- waiting
 
 
-async def until(check: Callable[[], Awaitable[bool]], timeout: float, what: str,
-                interval: float = 0.01) -> None:
-    """Poll check() until it is true; a BenchmarkError naming `what` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await check():
-            return
-        await asyncio.sleep(interval)
-    raise BenchmarkError(f"{what} (after {timeout:.0f} s)")
-
-
 # ---------------------------------------------------------------- the stack
-
-
-@contextlib.asynccontextmanager
-async def postgres_server(given: str | None) -> AsyncIterator[str]:
-    """A Postgres server that allows CREATE DATABASE: the one given, else an embedded one."""
-    if given:
-        yield given
-        return
-    import pgserver  # type: ignore[attr-defined,unused-ignore]
-
-    get_server = pgserver.get_server  # type: ignore[attr-defined,unused-ignore]
-    with tempfile.TemporaryDirectory(prefix="covey-bench-pg-") as folder:
-        server = await asyncio.to_thread(get_server, folder, cleanup_mode="stop")
-        try:
-            yield str(server.get_uri())
-        finally:
-            await asyncio.to_thread(server.cleanup)
-
-
-def _with_database(url: str, name: str) -> str:
-    base, _, query = url.partition("?")
-    return f"{base.rsplit('/', 1)[0]}/{name}" + (f"?{query}" if query else "")
-
-
-@contextlib.asynccontextmanager
-async def bench_database(server_url: str) -> AsyncIterator[str]:
-    """A database of its own, dropped afterwards; the control plane migrates it at start-up."""
-    name = f"covey_bench_{uuid.uuid4().hex[:10]}"
-    conn = await asyncpg.connect(server_url)
-    try:
-        await conn.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await conn.close()
-    try:
-        yield _with_database(server_url, name)
-    finally:
-        conn = await asyncpg.connect(server_url)
-        try:
-            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await conn.close()
 
 
 @contextlib.asynccontextmanager
@@ -267,45 +203,6 @@ class Floor:
             raise BenchmarkError("the echo server answered something else")
         echoed = time.perf_counter_ns()
         return FloorSample(committed - started, echoed - committed)
-
-
-class RawHttp:
-    """A bare HTTP/1.1 keep-alive client for the timed requests. httpx, in this process and on
-    this event loop, adds about a millisecond of its own to every request on this machine;
-    this one puts the request's bytes on the socket right after the clock is read."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 authorization: str) -> None:
-        self.reader = reader
-        self.writer = writer
-        self.authorization = authorization
-
-    @classmethod
-    @contextlib.asynccontextmanager
-    async def open(cls, url: str, authorization: str) -> AsyncIterator[RawHttp]:
-        host, port = url.removeprefix("http://").split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
-        try:
-            yield cls(reader, writer, authorization)
-        finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-
-    async def request(self, method: str, path: str, timeout: float = 30) -> tuple[int, Any]:
-        self.writer.write(
-            f"{method} {path} HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-            f"authorization: {self.authorization}\r\ncontent-length: 0\r\n\r\n".encode())
-        async with asyncio.timeout(timeout):
-            head = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1")
-            status_line, *header_lines = head.split("\r\n")
-            headers = dict(line.split(":", 1) for line in header_lines if ":" in line)
-            length = next((int(v) for k, v in headers.items()
-                           if k.strip().lower() == "content-length"), None)
-            if length is None:
-                raise BenchmarkError(f"{method} {path}: a response without Content-Length")
-            body = await self.reader.readexactly(length)
-        return int(status_line.split()[1]), json.loads(body) if body else None
 
 
 # ---------------------------------------------------------------- the fleet's agents
@@ -400,31 +297,6 @@ async def wait_wakes(client: httpx.AsyncClient, at_least: float, timeout: float)
     async def done() -> bool:
         return await notify_wakes(client) >= at_least
     await until(done, timeout, "the wakes sent by the requeue did not all run", interval=0.02)
-
-
-async def kill_stage_totals(client: httpx.AsyncClient) -> dict[tuple[str, str, str], float]:
-    """covey_kill_stage_seconds _sum and _count by (scope, stage), from the server's /metrics."""
-    text = (await client.get("/metrics")).text
-    totals = {}
-    for family in text_string_to_metric_families(text):
-        if family.name != "covey_kill_stage_seconds":
-            continue
-        for s in family.samples:
-            if s.name.endswith(("_sum", "_count")):
-                suffix = s.name.rsplit("_", 1)[1]
-                totals[(s.labels["scope"], s.labels["stage"], suffix)] = s.value
-    return totals
-
-
-def stage_means_ms(before: dict[tuple[str, str, str], float],
-                   after: dict[tuple[str, str, str], float], scope: str) -> dict[str, float]:
-    means = {}
-    for stage in STAGES:
-        count = after.get((scope, stage, "count"), 0) - before.get((scope, stage, "count"), 0)
-        total = after.get((scope, stage, "sum"), 0) - before.get((scope, stage, "sum"), 0)
-        if count:
-            means[stage] = total / count * 1000
-    return means
 
 
 # ---------------------------------------------------------------- the measurements
@@ -550,7 +422,9 @@ async def _fleet_kills(world: World, security: RawHttp, held: list[Holding], rou
         if number:
             status, resumed = await security.request("POST", "/api/v1/fleet/resume")
             if status != 200 or len(resumed["agents_woken"]) != agents:
-                raise BenchmarkError(f"fleet resume did not wake every agent: {status}")
+                raise BenchmarkError(
+                    f"fleet resume did not wake every agent: {status}, woke"
+                    f" {len(resumed['agents_woken'])}, released {len(resumed['agents_released'])}")
             await wait_in_progress(world, held, timeout)
         live = [r["id"] for r in await world.db.fetch(
             "SELECT id FROM sandboxes WHERE agent_id = ANY($1::uuid[]) AND state='running'",
@@ -586,23 +460,6 @@ async def _fleet_kills(world: World, security: RawHttp, held: list[Holding], rou
 
 
 # ---------------------------------------------------------------- the run
-
-
-def machine() -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    mem_kib = next((int(line.split()[1]) for line in
-                    Path("/proc/meminfo").read_text().splitlines()
-                    if line.startswith("MemTotal:")), 0)
-    return {"nproc": os.cpu_count(), "memory_gib": round(mem_kib / 2**20, 1), "cpu": cpu,
-            "python": platform.python_version(), "kernel": platform.release(),
-            "loadavg_at_start": load_average()}
-
-
-def load_average() -> str:
-    """Other work on the host shows here; the floor, sampled alongside, absorbs its noise."""
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 async def run(options: argparse.Namespace, command: str) -> Report:

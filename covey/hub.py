@@ -83,6 +83,12 @@ class DaemonHub:
                 task.cancel()
         return [s for s, task in waits.items() if task.done() and not task.cancelled()]
 
+    def kill_sent(self, session_id: UUID) -> bool:
+        """This replica sent `kill` to the session. Every such session was over in Postgres
+        before its kill went out (cancelled in the kill's own commit, or found over when its
+        daemon connected), and an ended session never runs again."""
+        return session_id in self._killed
+
     def session_ids(self) -> list[UUID]:
         return list(self._links)
 

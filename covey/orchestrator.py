@@ -429,7 +429,10 @@ class Orchestrator:
         """
         max_retries = self.settings.max_daemon_retries
         # Most calls come from daemons that obeyed a kill (their session is already over):
-        # answer those without a transaction, two of them per daemon in a fleet kill.
+        # those sent from here need no query at all, the others no transaction. A fleet
+        # kill of a thousand makes two calls per daemon while its answer is still due.
+        if self.hub.kill_sent(session_id):
+            return []
         agent_id = await self.pool.fetchval(
             "SELECT agent_id FROM sessions WHERE id=$1 AND state IN ('starting','running')",
             session_id)
@@ -534,29 +537,30 @@ class Orchestrator:
         """Settle the session of a sandbox whose daemon exited; True if it had ended cleanly
         (told to sleep), so that its home is worth syncing or parking."""
         await self.session_lost(session_id, f"daemon exited with code {code}")
+        if code != 0 and self.hub.kill_sent(session_id):  # cancelled by a kill: not clean
+            return False
         state = await self.pool.fetchval("SELECT state FROM sessions WHERE id=$1", session_id)
         return bool(state == "ended")
 
     # ---------------------------------------------------------------- switches
 
-    async def _switch(self, body: Callable[[Connection], Awaitable[T]], scope: str,
-                      started: float) -> T:
+    async def _switch(self, conn: Connection, body: Callable[[Connection], Awaitable[T]],
+                      scope: str, started: float) -> T:
         """Run a switch's flag transaction; time its commit. Retried when Postgres breaks a
         deadlock by failing it: an emergency stop must not fail because a wake held a row."""
         for attempt in range(1, 6):
-            async with self.pool.acquire() as conn:
-                try:
-                    async with conn.transaction():
-                        result = await body(conn)
-                except (asyncpg.DeadlockDetectedError, asyncpg.SerializationError) as exc:
-                    if attempt == 5:
-                        raise
-                    log.warning("switch transaction retried", scope=scope, attempt=attempt,
-                                error=str(exc))
-                    continue
-                metrics.kill_stage_seconds.labels(scope, "flag_committed").observe(
-                    time.perf_counter() - started)
-                return result
+            try:
+                async with conn.transaction():
+                    result = await body(conn)
+            except (asyncpg.DeadlockDetectedError, asyncpg.SerializationError) as exc:
+                if attempt == 5:
+                    raise
+                log.warning("switch transaction retried", scope=scope, attempt=attempt,
+                            error=str(exc))
+                continue
+            metrics.kill_stage_seconds.labels(scope, "flag_committed").observe(
+                time.perf_counter() - started)
+            return result
         raise AssertionError("unreachable")
 
     async def kill_agent(self, org_id: UUID, agent_id: UUID, actor_id: UUID | None,
@@ -593,14 +597,20 @@ class Orchestrator:
                 await emit_status(conn, org_id, agent_id, "killed")
             return row, live
 
-        done = await self._switch(flag, "agent", started)
-        if done is None:
-            return None
-        row, live = done
-        changed = not row["was_killed"] or row["was_origin"] != origin
-        report = KillReport(already_killed=bool(row["was_killed"]), agents=[agent_id])
-        await self._stop_sessions(org_id, "agent", live, [agent_id] if changed else [],
-                                  started, report)
+        # One connection for both of the kill's transactions, held between them: a kill
+        # must not wait for a second pool connection while it holds one (a hundred kills
+        # at once emptied the pool that way), nor queue for its requeue behind the
+        # statements of the very exits it caused (a fleet kill causes hundreds at once).
+        async with self.pool.acquire() as conn:
+            done = await self._switch(conn, flag, "agent", started)
+            if done is None:
+                return None
+            row, live = done
+            changed = not row["was_killed"] or row["was_origin"] != origin
+            report = KillReport(already_killed=bool(row["was_killed"]), agents=[agent_id])
+            evicted = await self._stop_sessions(conn, "agent", live,
+                                                [agent_id] if changed else [], started, report)
+        await self._await_stopped(live, evicted, report)
         metrics.kills.labels("agent", "already" if report.already_killed else "killed").inc()
         return report
 
@@ -639,9 +649,11 @@ class Orchestrator:
             await emit_statuses(conn, org_id, newly, "killed")
             return was, newly, live
 
-        was, agents, live = await self._switch(flag, "fleet", started)
-        report = KillReport(already_killed=was, agents=agents)
-        await self._stop_sessions(org_id, "fleet", live, agents, started, report)
+        async with self.pool.acquire() as conn:  # one connection, as in kill_agent
+            was, agents, live = await self._switch(conn, flag, "fleet", started)
+            report = KillReport(already_killed=was, agents=agents)
+            evicted = await self._stop_sessions(conn, "fleet", live, agents, started, report)
+        await self._await_stopped(live, evicted, report)
         metrics.kills.labels("fleet", "already" if was else "killed").inc()
         return report
 
@@ -668,12 +680,15 @@ class Orchestrator:
                                ",".join(str(s["id"]) for s in live[i:i + 200]))
         return list(live)
 
-    async def _stop_sessions(self, org_id: UUID, scope: str, live: list[asyncpg.Record],
-                             agents: list[UUID], started: float, report: KillReport) -> None:
+    async def _stop_sessions(self, conn: Connection, scope: str, live: list[asyncpg.Record],
+                             agents: list[UUID], started: float, report: KillReport
+                             ) -> list[asyncpg.Record]:
         """After the flag is committed (with the sessions cancelled): kill messages, evict
         warm sandboxes, requeue in-progress work, record. In that order (DESIGN §2.3 line 1).
         `agents` are those whose flag this kill set; with the agents of live sessions, they
-        are the ones it touches (a repeated kill touches none)."""
+        are the ones it touches (a repeated kill touches none). Returns the evicted
+        sandboxes. `conn` is the flag's connection: a few statements on it, whatever the
+        fleet's size."""
         session_ids = [s["id"] for s in live]
         delivered = await asyncio.gather(*(self.hub.send_kill(s) for s in session_ids))
         report.kill_delivered = [s for s, ok in zip(session_ids, delivered, strict=True) if ok]
@@ -682,10 +697,7 @@ class Orchestrator:
         touched = sorted({*agents, *(s["agent_id"] for s in live)})
         evicted: list[asyncpg.Record] = []
         if touched:
-            # One connection, a few statements, whatever the fleet's size: a kill must not
-            # wait for a second pool connection while it holds one (a hundred kills at once
-            # emptied the pool that way).
-            async with transaction(self.pool) as conn:
+            async with conn.transaction():
                 evicted = await conn.fetch(
                     "UPDATE sandboxes SET state='evicted', ended_at=now()"
                     " WHERE agent_id = ANY($1::uuid[]) AND state='parked'"
@@ -701,6 +713,12 @@ class Orchestrator:
         metrics.kill_stage_seconds.labels(scope, "requeued").observe(
             time.perf_counter() - started)
         report.sessions_cancelled = session_ids
+        return evicted
+
+    async def _await_stopped(self, live: list[asyncpg.Record], evicted: list[asyncpg.Record],
+                             report: KillReport) -> None:
+        """With the kill's connection back in the pool: the sandboxes' teardown, then the
+        wait for the daemons' confirmations."""
         if self.runner is not None:
             await self.runner.discard_evicted(evicted)
             self.runner.tear_down([s["sandbox_id"] for s in live],
@@ -769,8 +787,9 @@ class Orchestrator:
             )]
             return was, released, with_work
 
-        was, released, with_work = await self._switch(release, "fleet-resume",
-                                                      time.perf_counter())
+        async with self.pool.acquire() as conn:
+            was, released, with_work = await self._switch(conn, release, "fleet-resume",
+                                                          time.perf_counter())
         report = ResumeReport(changed=was, agents_released=released)
         report.agents_woken = await self.wake_many(with_work, "resume")
         metrics.resumes.labels("fleet", "resumed" if was else "noop").inc()

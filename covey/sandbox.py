@@ -18,7 +18,7 @@ from uuid import UUID, uuid4
 
 import structlog
 
-from covey.db import Pool
+from covey.db import BatchedWrite, Pool
 
 log = structlog.get_logger(__name__)
 
@@ -308,6 +308,13 @@ class Runner:
         self._handles: dict[UUID, str] = {}
         self._exited: dict[UUID, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        # Exits come in bursts (a fleet kill): their rows are written a batch at a time.
+        self._record_exit = BatchedWrite(
+            pool, "UPDATE sandboxes s SET exit_code=x.code"
+                  " FROM unnest($1::uuid[], $2::int[]) AS x(id, code) WHERE s.id=x.id")
+        self._record_gone = BatchedWrite(
+            pool, "UPDATE sandboxes SET state='gone', ended_at=now()"
+                  " WHERE id = ANY($1::uuid[]) AND state IN ('starting','running')")
 
     @property
     def backend(self) -> str:
@@ -338,8 +345,7 @@ class Runner:
                      warm: bool) -> None:
         code = await self._provider.wait(handle)
         self._handles.pop(sandbox_id, None)
-        await self._pool.execute("UPDATE sandboxes SET exit_code=$2 WHERE id=$1",
-                                 sandbox_id, code)
+        await self._record_exit.write(sandbox_id, code)
         log.info("sandbox exited", sandbox_id=str(sandbox_id), exit_code=code)
         clean = await self._on_exit(sandbox_id, session_id, code) and code == 0
         if clean and warm:
@@ -351,9 +357,7 @@ class Runner:
         elif clean:
             await self.fall_asleep(sandbox_id, agent_id)
         else:
-            await self._pool.execute(
-                "UPDATE sandboxes SET state='gone', ended_at=now() WHERE id=$1"
-                " AND state IN ('starting','running')", sandbox_id)
+            await self._record_gone.write(sandbox_id)
             await asyncio.to_thread(self._prune_evidence, agent_id)
         self._exited.pop(sandbox_id, asyncio.Event()).set()
 

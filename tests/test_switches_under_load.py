@@ -68,3 +68,41 @@ async def test_a_hundred_concurrent_agent_kills_all_complete(world: World) -> No
     assert await world.db.fetchval(
         "SELECT count(*) FROM backlog_tasks WHERE org_id=$1 AND state='open'",
         world.org.id) == 40
+
+
+async def test_fleet_kill_answer_lists_every_session_confirmed_and_every_task_requeued(
+        world: World) -> None:
+    """The fast answer must not be an early one: with 60 connected daemons, it comes after
+    every daemon confirmed its kill (or hung up) and every task is open again."""
+    agents = [(await world.agent())["id"] for _ in range(60)]
+    tasks = {(await world.task(a, "hold"))["id"] for a in agents}
+
+    async def holding() -> bool:
+        return bool(await world.db.fetchval(
+            "SELECT count(*) FROM backlog_tasks WHERE org_id=$1 AND state='in_progress'",
+            world.org.id) == len(tasks))
+    await eventually(holding, 120, "the agents never all took their hold tasks")
+    live = {str(r["id"]): r["sandbox_id"] for r in await world.db.fetch(
+        "SELECT s.id, s.sandbox_id FROM sessions s JOIN agents a ON a.id=s.agent_id"
+        " WHERE a.org_id=$1 AND s.state IN ('starting','running')", world.org.id)}
+    assert len(live) == len(agents)
+
+    r = await world.security.post("/api/v1/fleet/kill")
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    open_at_answer = {str(t) for t in await world.db.fetchval(
+        "SELECT array_agg(id) FROM backlog_tasks WHERE org_id=$1 AND state='open'",
+        world.org.id)}
+    assert set(answer["sessions_cancelled"]) == set(live), "a session the kill left running"
+    assert set(answer["sessions_confirmed"]) == set(live), (
+        f"{len(live) - len(answer['sessions_confirmed'])} daemons answered for unconfirmed")
+    assert set(answer["tasks_requeued"]) == tasks, "a task the answer does not list requeued"
+    assert open_at_answer == tasks, "the answer came before every task was open again"
+
+    sandboxes = list(live.values())
+
+    async def all_obeyed() -> bool:
+        codes = await world.db.fetch(
+            "SELECT state, exit_code FROM sandboxes WHERE id = ANY($1::uuid[])", sandboxes)
+        return all(c["state"] == "gone" and c["exit_code"] == 3 for c in codes)
+    await eventually(all_obeyed, 120, "a killed sandbox did not exit 3 and go")

@@ -111,7 +111,7 @@ async def main() -> int:
                 await send("kill_ack", {"stop": "kill", "exit_code": 3,
                                         "detail": "reason kill-switch"})
                 print("kill switch: daemon terminates immediately", flush=True)
-                return 3
+                os._exit(3)  # as coveyd does: no interpreter teardown
             elif kind == "sleep":
                 return 0
 
