@@ -168,9 +168,16 @@ class Killer(CoveyUser):
             self._fire(TASK_OPEN, opened)
             acted = self._actions_after(agent["id"], acknowledged_ns)
             if acted:
-                raise KillFailed(f"agent {agent['slug']} made {len(acted)} model request(s) "
-                                 "after its kill was acknowledged, the last "
-                                 f"{(max(acted) - acknowledged_ns) / 1e6:.1f} ms after")
+                # Which daemons the answer said had the kill in hand tells a daemon that
+                # acted after confirming (a broken switch) from an answer that came first.
+                unconfirmed = set(report["sessions_cancelled"]) - set(
+                    report.get("sessions_confirmed", []))
+                raise KillFailed(
+                    f"agent {agent['slug']} made {len(acted)} model request(s) after its kill "
+                    f"was acknowledged, the last {(max(acted) - acknowledged_ns) / 1e6:.1f} ms "
+                    "after (the puppet's clock, as it handled the request); the answer "
+                    + (f"had not waited for {len(unconfirmed)} daemon(s)" if unconfirmed
+                       else "said every daemon had the kill in hand"))
         except KillFailed as failure:
             sample["failure"] = str(failure)
             self._fire(HELD, (time.time_ns() - invoked_ns), failure)
