@@ -141,14 +141,15 @@ class GameDay:
 
     async def agent(self, behaviour: Behaviour, warm: bool = False,
                     guard: dict[str, Any] | None = None, budget_usd: float | None = None,
-                    model: str | None = None, max_turns: int = GAME_DAY_MAX_TURNS
-                    ) -> dict[str, Any]:
+                    model: str | None = None, max_turns: int = GAME_DAY_MAX_TURNS,
+                    owner: str | None = None) -> dict[str, Any]:
         """An agent of this game day whose model answers with `behaviour`: a built-in
         behaviour's name, a script of fixtures/scripts by name, or a script inline
         (harness/scripts.py). Its step, token, tool-call and time limits are out of reach
         unless `guard` sets them: a game day's agents stop because of the switch, fault or
         guard layer under test, not because a long-running behaviour used up its default 20
-        steps. `guard` takes the API's guard thresholds (loop_repeats, breaker_failures, ...)."""
+        steps. `guard` takes the API's guard thresholds (loop_repeats, breaker_failures, ...);
+        `owner` the role of the human who owns it (default: the org admin who creates it)."""
         slug = agent_slug(self.run_id, len(self.agents) + 1, self.fake.slug())
         name = f"{self.fake.job()} bot"[:200]
         fields: dict[str, Any] = {"warm_sandbox": warm, "max_turns": max_turns,
@@ -157,6 +158,8 @@ class GameDay:
             fields["budget_usd"] = budget_usd
         if model is not None:
             fields["model"] = model
+        if owner is not None:
+            fields["owner_id"] = json_of(await self.people[owner].me())["id"]
         resolve(behaviour)  # an unplayable script fails here, before an agent exists
         agent: dict[str, Any] = json_of(await self.people["org_admin"].create_agent(
             slug, name, **fields), 201)
