@@ -315,7 +315,8 @@ class GameDay:
                     self.history.observe(OBSERVER, SESSION_END_F, {
                         "agent_id": agent_id, "session_id": s["id"], "state": s["state"],
                         "stop_layer": s["stop_layer"], "stop_reason": s["stop_reason"],
-                        "budget_usd": self.agents[agent_id].get("budget_usd")},
+                        "budget_usd": self.agents[agent_id].get("budget_usd"),
+                        "model": self.agents[agent_id].get("model")},
                         time_ns=ended)
                 delivery = kill_delivery(agent_id, s)
                 if delivery is not None:

@@ -31,8 +31,8 @@ Measure = Callable[[History, FinalState], dict[str, Any]]
 # Labels of home_files: the home at its last sync (read before the kill), the killed
 # sandbox's working copy once it stopped, and the home the next session is restored from.
 LAST_SYNC, AT_KILL, RESTORED = "last_sync", "sandbox_at_kill", "restored"
-# USD per million tokens (prompt, completion) of the puppet model in coveyd's price table.
-PUPPET_PRICE = (1.0, 2.0)
+# USD per million tokens (prompt, completion) in coveyd's price table, for the puppet model.
+PRICES = {"puppet": (1.0, 2.0)}
 
 
 def _homes(history: History) -> dict[str, dict[str, dict[str, int]]]:
@@ -107,12 +107,16 @@ def _usd(action: Event, price: tuple[float, float]) -> float:
 
 
 def spend_beyond_cap(history: History, final: FinalState,
-                     price: tuple[float, float] = PUPPET_PRICE) -> dict[str, Any]:
-    """Per session stopped by the budget layer: what its model calls cost at `price`, how
-    far past the agent's budget, and how long from the call that crossed it to the stop."""
+                     prices: dict[str, tuple[float, float]] | None = None) -> dict[str, Any]:
+    """Per session stopped by the budget layer: what its model calls cost at the agent's
+    model's price, how far past the agent's budget, and how long from the call that crossed
+    it to the stop. A model with no price, or a usage that is not a number, spent an amount
+    nobody knows (None), and crossed the cap with its first call."""
     out: dict[str, Any] = {}
+    table = PRICES if prices is None else prices
     for end in _sessions_ended(history, ("budget",)):
         cap = end.value.get("budget_usd")
+        price = table.get(str(end.value.get("model", "puppet")), (math.nan, math.nan))
         spent, crossed_ns = 0.0, None
         for action in _session_actions(history, end):
             spent += _usd(action, price)

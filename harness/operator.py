@@ -9,6 +9,7 @@ when it can no longer happen.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -126,6 +127,11 @@ class Until:
             done, deadline_s, "work given to the agents was left undone",
             impossible=self.day.why_work_cannot_finish)
         return found
+
+    async def condition(self, check: Callable[[], Awaitable[Any]], deadline_s: float,
+                        message: str) -> Any:
+        """Any other outcome the scenario waits for, with the rule it shows as `message`."""
+        return await eventually(check, deadline_s, message)
 
     async def stopped_by(self, agent: AgentRef, layer: str, deadline_s: float = 60
                          ) -> dict[str, Any]:

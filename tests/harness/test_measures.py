@@ -65,6 +65,16 @@ def test_spend_beyond_the_cap_and_time_to_the_stop() -> None:
     assert figures["cross_to_stop_ms"] == pytest.approx(25.0)
 
 
+def test_spend_of_a_model_without_a_price_is_unknown_and_crosses_at_once() -> None:
+    day = GameDay()
+    spend(day, "a1", 10, 100)
+    day.seen("session_end", "a1", 12, session_id="s", state="tripped", stop_layer="budget",
+             stop_reason="no price", budget_usd=1.0, model="unknown-model")
+    figures = spend_beyond_cap(day.history, FINAL)["a1"]
+    assert figures["spent_usd"] is None and figures["beyond_cap_usd"] is None
+    assert figures["cross_to_stop_ms"] == pytest.approx(2.0)
+
+
 def test_steps_before_a_trip_count_only_that_session() -> None:
     day = GameDay()
     spend(day, "a1", 5, 0)
