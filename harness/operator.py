@@ -133,6 +133,12 @@ class Until:
         """Any other outcome the scenario waits for, with the rule it shows as `message`."""
         return await eventually(check, deadline_s, message)
 
+    async def all_tasks_done_of(self, agents: list[AgentRef]) -> bool:
+        """One look (not a wait): is every task of these agents done?"""
+        ids = set(self._agents(agents))
+        tasks = await self.day.read_tasks()
+        return all(t["state"] == "done" for t in tasks.values() if t["agent_id"] in ids)
+
     async def stopped_by(self, agent: AgentRef, layer: str, deadline_s: float = 60
                          ) -> dict[str, Any]:
         """A session of the agent ended stopped by its guard's `layer` (budget, loop,
