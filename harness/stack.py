@@ -51,7 +51,7 @@ class Endpoints:
     platform_password: str | None = None
     # The kill-flag lease the daemons hold (COVEY_LEASE_MS), None where the harness cannot
     # know it (a deployment); and the control plane's data folder where it is on this
-    # machine (the processes stack), which holds the agents' homes.
+    # machine (processes and containers stacks), which holds the agents' homes.
     lease_ms: int | None = None
     data_dir: Path | None = None
 
@@ -398,7 +398,8 @@ class ContainersStack:
                                 "http://puppet:9000/v1",
                                 {"covey": health.get("version", "?"), "image": self.image,
                                  "python": sys.version.split()[0]}, nemesis,
-                                platform, ADMIN_PASSWORD, lease_ms=self.lease_ms)
+                                platform, ADMIN_PASSWORD, lease_ms=self.lease_ms,
+                                data_dir=workdir / "data")  # the same path on this host
         finally:
             await asyncio.to_thread(self._tear_down, containers, network, gameday, workdir)
 
