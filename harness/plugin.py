@@ -175,8 +175,16 @@ async def gameday(request: pytest.FixtureRequest, reused_stack: Endpoints | None
         reused_stack.nemesis.begin_game_day()
     else:
         phases.info("%s: bringing the %s stack up", request.node.name, name)
-    async with (contextlib.nullcontext(reused_stack) if reused_stack is not None
-                else make_stack(config).up()) as endpoints:
+    tick = request.node.get_closest_marker(TICK_MARK)
+    stack = make_stack(config) if reused_stack is None else None
+    if tick is not None:
+        if stack is None or not hasattr(stack, "tick_ms"):
+            pytest.skip(f"this game day needs a scheduler tick of {tick.args[0]} ms, and the "
+                        f"{name} stack{' reused for the run' if stack is None else ''} cannot "
+                        f"be given one")
+        stack.tick_ms = int(tick.args[0])
+    async with (contextlib.nullcontext(cast(Endpoints, reused_stack)) if stack is None
+                else stack.up()) as endpoints:
         required = required_checkers(request.node)
         day = GameDay(name=request.node.name, stack=name, endpoints=endpoints,
                       seed=_seed(config), report_dir=Path(config.getoption("--report-dir")),
@@ -256,6 +264,7 @@ def import_names(file_path: Path, rootpath: Path) -> list[str]:
 
 DECIDES = "decides"
 CHECKERS_MARK = "checkers"
+TICK_MARK = "tick_ms"
 MEASURES_MARK = "measures"
 
 
@@ -263,6 +272,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", f"{DECIDES}(*checkers): checkers this game day must be able to decide; an "
                    f"`unknown` verdict from one of them fails it")
+    config.addinivalue_line(
+        "markers", f"{TICK_MARK}(ms): bring this game day's own stack up with this scheduler "
+                   f"tick (skipped with --reuse-stack and on a deployment)")
     config.addinivalue_line(
         "markers", f"{CHECKERS_MARK}(*checkers): judge this game day with these checkers "
                    f"(and those it decides) instead of the default set")
