@@ -34,6 +34,11 @@ WAKE_FS = ("wake", "session_start")
 TASK_STATE_F = "task_state"
 ACTION_F = "action"
 KILL_DELIVERY_F = "kill_delivery"
+# A session's end as the control plane recorded it: `{"agent_id", "session_id", "state",
+# "stop_layer", "stop_reason", "budget_usd"}`, at its ended_at.
+SESSION_END_F = "session_end"
+# A call that reached the harness's failing service (by process `agent:<id>`).
+FAILING_SERVICE_CALL_F = "failing_service_call"
 # A daemon that obeys acknowledges a kill within tens of milliseconds (62-104 ms measured on
 # the processes stack); one deaf to it is only "confirmed" when its 2 s lease runs out. The
 # bound sits far below the lease, with room for a loaded machine.
@@ -315,6 +320,77 @@ def kill_obeyed(history: History, final: FinalState,
                    f"after {_ms(slowest)}).", tuple(d.last_index for d in deliveries))
 
 
+GUARD_LAYERS = ("budget", "steps", "loop", "circuit_breaker")
+HOME_FILES_F = "home_files"  # {"agent_id", "label", "files": {path: bytes}}; harness.measures
+
+
+def home_is_last_sync(history: History, final: FinalState) -> Verdict:
+    """A killed agent's home, as the next session is restored from it, is its last sync:
+    what the killed sandbox did after that (an rm -rf included) is not kept (DESIGN
+    §2.3.7)."""
+    name = "home_is_last_sync"
+    reads: dict[str, dict[str, tuple[int, dict[str, int]]]] = defaultdict(dict)
+    for e in history.select(f=HOME_FILES_F):
+        if e.agent_id is not None:
+            reads[e.agent_id][str(e.value["label"])] = (e.index, dict(e.value["files"]))
+    judged = {a: r for a, r in reads.items() if "last_sync" in r and "restored" in r}
+    if not judged:
+        return Verdict(name, "unknown", "No agent's home was read both at its last sync and "
+                       "as restored after a kill, so nothing could be compared.")
+    lines: list[str] = []
+    evidence: set[int] = set()
+    for agent, r in sorted(judged.items()):
+        (si, synced), (ri, restored) = r["last_sync"], r["restored"]
+        evidence.update([si, ri])
+        if synced != restored:
+            missing = sorted(set(synced) - set(restored))
+            extra = sorted(p for p in restored if synced.get(p) != restored[p])
+            lines.append(f"agent {agent}'s home after the kill lacks {len(missing)} synced "
+                         f"files ({', '.join(missing[:3]) or 'none'}) and holds {len(extra)} "
+                         f"files it did not have at its last sync "
+                         f"({', '.join(extra[:3]) or 'none'}) (events {si}, {ri})")
+    if lines:
+        return Verdict(name, False, _sentence("A killed agent's home is not its last sync",
+                                              lines, "the next session starts from work "
+                                              "that was never synced, or without work that "
+                                              "was"), tuple(sorted(evidence)))
+    return Verdict(name, True, f"Every killed agent's home was its last sync "
+                   f"({_count(len(judged), 'agent')}).", tuple(sorted(evidence)))
+
+
+def no_blind_restart_after_trip(history: History, final: FinalState) -> Verdict:
+    """An agent its guard stopped is not started again until a human resumes it or its task
+    is changed (DESIGN §2.4: not restarted blindly)."""
+    name = "no_blind_restart_after_trip"
+    trips = [e for e in history.select(f=SESSION_END_F)
+             if e.value.get("stop_layer") in GUARD_LAYERS and e.agent_id is not None]
+    if not trips:
+        return Verdict(name, "unknown", "No agent was stopped by its guard in this game day.")
+    releases = [op for op in history.operations(("resume_agent", "change_task"))
+                if op.agent_id is not None and op.type != "fail"]
+    starts = [op for op in history.operations("session_start") if op.agent_id is not None]
+    lines: list[str] = []
+    evidence: set[int] = set()
+    for trip in trips:
+        agent = trip.agent_id
+        released = min((op.start_ns for op in releases if op.agent_id == agent
+                        and op.start_ns >= trip.time_ns), default=None)
+        for start in starts:
+            if (start.agent_id == agent and start.start_ns > trip.time_ns
+                    and (released is None or start.start_ns < released)):
+                evidence.update([trip.index, start.last_index])
+                lines.append(f"agent {agent} started a session (event {start.last_index}) "
+                             f"after its guard's {trip.value['stop_layer']} layer stopped it "
+                             f"(event {trip.index}) with nobody resuming it or changing its "
+                             f"task")
+    if lines:
+        return Verdict(name, False, _sentence("Tripped agents were restarted blindly", lines,
+                                              "the same input trips the guard again and "
+                                              "spends again"), tuple(sorted(evidence)))
+    return Verdict(name, True, f"No agent was restarted after a guard trip without a human "
+                   f"({_count(len(trips), 'trip')}).", tuple(t.index for t in trips))
+
+
 CHECKERS: tuple[Checker, ...] = (
     no_action_after_kill_ack,
     in_progress_requeued,
@@ -323,6 +399,10 @@ CHECKERS: tuple[Checker, ...] = (
     every_fault_healed,
     kill_obeyed,
 )
+
+
+# Every checker a scenario may choose (`@pytest.mark.checkers(...)`); CHECKERS is the default.
+ALL_CHECKERS: tuple[Checker, ...] = (*CHECKERS, home_is_last_sync, no_blind_restart_after_trip)
 
 
 def check_all(history: History, final: FinalState) -> list[Verdict]:

@@ -84,6 +84,10 @@ class CoveyClient:
         return await self.http.post(f"/api/v1/agents/{agent_id}/tasks",
                                     json={"title": title, "body": body})
 
+    async def change_task(self, agent_id: str, task_id: str, **changes: Any) -> httpx.Response:
+        return await self.http.patch(f"/api/v1/agents/{agent_id}/tasks/{task_id}",
+                                     json=changes)
+
     async def backlog(self, agent_id: str) -> httpx.Response:
         return await self.get(f"/api/v1/agents/{agent_id}/backlog")
 

@@ -20,17 +20,24 @@ import httpx
 from faker import Faker
 
 from harness.checkers import (
+    CHECKERS,
+    FAILING_SERVICE_CALL_F,
+    HOME_FILES_F,
     KILL_DELIVERY_F,
+    SESSION_END_F,
+    Checker,
     FinalAgent,
     FinalState,
     FinalTask,
     Verdict,
-    check_all,
 )
 from harness.client import CoveyClient, json_of
 from harness.history import History
 from harness.isolation import Organisation, agent_slug, run_id
 from harness.measure import TimeToStop, summarize, time_to_stop
+from harness.measures import Measure
+from harness.operator import Operator, Until
+from harness.puppet import Behaviour, behaviour_name, resolve
 from harness.stack import Endpoints
 from harness.verdicts import broken_rules
 
@@ -95,6 +102,11 @@ class GameDay:
     # verdicts of its last judgement: what a failure report leads with.
     required: frozenset[str] = frozenset()
     verdicts: list[Verdict] = field(default_factory=list)
+    # What judges this game day and what it measures beside time-to-stop: today's set
+    # unless the scenario names its own (`checkers` / `measures` markers).
+    checkers: tuple[Checker, ...] = CHECKERS
+    measures: dict[str, Measure] = field(default_factory=dict)
+    measurements: dict[str, Any] = field(default_factory=dict)
     # Isolation, steady-state hypothesis and rollback (harness/isolation.py, steady.py,
     # rollback.py): where the game day runs, its probe agents, and their journal sections.
     run_id: str = field(default_factory=run_id)
@@ -127,18 +139,32 @@ class GameDay:
             json_of(await self.people["org_admin"].add_member(email, password, role), 201)
             self.people[role] = await CoveyClient.signed_in(e.url, email, password)
 
-    async def agent(self, behaviour: str, warm: bool = False) -> dict[str, Any]:
-        """An agent of this game day whose model answers with `behaviour`. Its step, token,
-        tool-call and time limits are out of reach: a game day's agents stop because of the
-        switch or fault under test, not because a long-running behaviour used up its default
-        20 steps (the loop detector, breakers and dollar budget still stand)."""
+    async def agent(self, behaviour: Behaviour, warm: bool = False,
+                    guard: dict[str, Any] | None = None, budget_usd: float | None = None,
+                    model: str | None = None, max_turns: int = GAME_DAY_MAX_TURNS,
+                    owner: str | None = None) -> dict[str, Any]:
+        """An agent of this game day whose model answers with `behaviour`: a built-in
+        behaviour's name, a script of fixtures/scripts by name, or a script inline
+        (harness/scripts.py). Its step, token, tool-call and time limits are out of reach
+        unless `guard` sets them: a game day's agents stop because of the switch, fault or
+        guard layer under test, not because a long-running behaviour used up its default 20
+        steps. `guard` takes the API's guard thresholds (loop_repeats, breaker_failures, ...);
+        `owner` the role of the human who owns it (default: the org admin who creates it)."""
         slug = agent_slug(self.run_id, len(self.agents) + 1, self.fake.slug())
         name = f"{self.fake.job()} bot"[:200]
+        fields: dict[str, Any] = {"warm_sandbox": warm, "max_turns": max_turns,
+                                  "guard": {**GAME_DAY_GUARD, **(guard or {})}}
+        if budget_usd is not None:
+            fields["budget_usd"] = budget_usd
+        if model is not None:
+            fields["model"] = model
+        if owner is not None:
+            fields["owner_id"] = json_of(await self.people[owner].me())["id"]
+        resolve(behaviour)  # an unplayable script fails here, before an agent exists
         agent: dict[str, Any] = json_of(await self.people["org_admin"].create_agent(
-            slug, name, warm_sandbox=warm, max_turns=GAME_DAY_MAX_TURNS,
-            guard=GAME_DAY_GUARD), 201)
+            slug, name, **fields), 201)
         await self.endpoints.puppet.assign(agent["id"], behaviour)
-        agent["behaviour"] = behaviour
+        agent["behaviour"] = behaviour_name(behaviour)
         self.agents[agent["id"]] = agent
         return agent
 
@@ -146,6 +172,25 @@ class GameDay:
         task: dict[str, Any] = json_of(await self.people["org_admin"].create_task(
             agent_id, title or self.fake.sentence(nb_words=5)), 201)
         return task
+
+    def as_(self, role: str) -> Operator:
+        """The game day's human of `role`, every call recorded in the history."""
+        if role not in self.people:
+            raise KeyError(f"no {role} in this game day; people: {', '.join(self.people)}")
+        return Operator(self, role)
+
+    @property
+    def until(self) -> Until:
+        """The shared waits: each polls with a deadline and says what never happened."""
+        return Until(self)
+
+    @property
+    def lease_s(self) -> float:
+        """The kill-flag lease the stack's daemons hold, from the stack itself."""
+        if self.endpoints.lease_ms is None:
+            raise LookupError(f"the {self.stack} stack does not say what lease its daemons "
+                              f"hold")
+        return self.endpoints.lease_ms / 1000
 
     # ------------------------------------------------------------------ operations
 
@@ -164,7 +209,10 @@ class GameDay:
         phases.info("%s: %s answered %s", role, f, r.status_code)
         body = r.json() if r.headers.get("content-type", "").startswith("application/json") \
             else {}
-        self.history.complete(invoke, outcome, {"status": r.status_code, "body": body})
+        result: dict[str, Any] = {"status": r.status_code, "body": body}
+        if f == "wake" and isinstance(body, dict) and "outcome" in body:
+            result["outcome"] = body["outcome"]  # a busy agent's wake started nothing
+        self.history.complete(invoke, outcome, result)
         return r
 
     # ------------------------------------------------------------------ observations
@@ -201,18 +249,48 @@ class GameDay:
                             f"{len(unfinished)} unfinished tasks and nobody will resume it")
         return None
 
+    # ------------------------------------------------------------------ homes
+
+    def home_dir(self, agent_id: str, sandbox_id: str | None = None) -> Path:
+        """An agent's home as the control plane keeps it (its last sync), or the working
+        copy of one of its sandboxes (kept as evidence after a kill): on this machine only
+        where the stack says where its data lives (the processes stack)."""
+        if self.endpoints.data_dir is None:
+            raise LookupError(f"the {self.stack} stack's agent homes are not on this machine")
+        if sandbox_id is None:
+            return self.endpoints.data_dir / "homes" / agent_id
+        return self.endpoints.data_dir / "sandboxes" / agent_id / sandbox_id
+
+    def read_home(self, agent_id: str, label: str, sandbox_id: str | None = None
+                  ) -> dict[str, int]:
+        """The files of a home (path: bytes), recorded as a `home_files` observation under
+        `label` (harness.measures: last_sync, sandbox_at_kill, restored)."""
+        root = self.home_dir(agent_id, sandbox_id)
+        files = {str(p.relative_to(root)): p.stat().st_size
+                 for p in sorted(root.rglob("*")) if p.is_file()} if root.is_dir() else {}
+        self.history.observe(OBSERVER, HOME_FILES_F, {"agent_id": agent_id, "label": label,
+                                                      "files": files})
+        return files
+
     async def sandboxes(self, agent_id: str) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = json_of(await self.people["auditor"].sandboxes(agent_id))
         return rows
 
     async def copy_ledger(self) -> None:
         """The puppet model's ledger into the history: each request an agent made is an
-        action, at the time the model saw it."""
+        action, at the time the model saw it, with the tool call it was answered with and
+        the usage reported; and each call that reached the failing service."""
         for agent_id in self.agents:
             for entry in await self.endpoints.puppet.actions(agent_id):
                 self.history.observe(f"agent:{agent_id}", "action",
-                                     {"step": entry.step, "behaviour": entry.behaviour},
+                                     {"step": entry.step, "behaviour": entry.behaviour,
+                                      "tool": entry.tool, "args": entry.args,
+                                      "prompt_tokens": entry.prompt_tokens,
+                                      "completion_tokens": entry.completion_tokens},
                                      time_ns=entry.at_ns)
+            for at_ns in await self.endpoints.puppet.failed_calls(agent_id):
+                self.history.observe(f"agent:{agent_id}", FAILING_SERVICE_CALL_F, {},
+                                     time_ns=at_ns)
 
     async def copy_sandboxes_and_sessions(self) -> None:
         """Daemon exits, sandboxes gone and sessions started, at the control plane's times."""
@@ -232,6 +310,14 @@ class GameDay:
                     self.history.observe(OBSERVER, "session_start",
                                          {"agent_id": agent_id, "session_id": s["id"],
                                           "outcome": "started"}, time_ns=started)
+                ended = _ns(s.get("ended_at"))
+                if ended is not None:
+                    self.history.observe(OBSERVER, SESSION_END_F, {
+                        "agent_id": agent_id, "session_id": s["id"], "state": s["state"],
+                        "stop_layer": s["stop_layer"], "stop_reason": s["stop_reason"],
+                        "budget_usd": self.agents[agent_id].get("budget_usd"),
+                        "model": self.agents[agent_id].get("model")},
+                        time_ns=ended)
                 delivery = kill_delivery(agent_id, s)
                 if delivery is not None:
                     self.history.observe(OBSERVER, KILL_DELIVERY_F, delivery,
@@ -275,7 +361,8 @@ class GameDay:
             "faults": self.endpoints.nemesis.fault_log(),
             "faults_healed": self.endpoints.nemesis.verify_healed().to_json(),
             "measurements": {"time_to_stop": {"summary_us": summary,
-                                              "samples_ns": [asdict(s) for s in samples]}},
+                                              "samples_ns": [asdict(s) for s in samples]},
+                             **self.measurements},
             "verdicts": [asdict(v) for v in verdicts],
             "notes": self.notes,
             "history": history_path.name,
@@ -304,7 +391,9 @@ class GameDay:
         await self.copy_ledger()
         await self.copy_sandboxes_and_sessions()
         final = await self.final_state()
-        self.verdicts = check_all(self.history, final)
+        self.verdicts = [checker(self.history, final) for checker in self.checkers]
+        for name, measure in self.measures.items():
+            self.measurements[name] = measure(self.history, final)
         return self.verdicts, time_to_stop(self.history, final), final
 
     @asynccontextmanager

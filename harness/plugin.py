@@ -15,8 +15,10 @@ from typing import Any, Protocol, cast
 
 import pytest
 
+from harness.checkers import ALL_CHECKERS, CHECKERS, Checker
 from harness.gameday import GameDay, phases
 from harness.isolation import isolation_header
+from harness.measures import MEASURES, Measure
 from harness.report.summary import (
     game_day_written,
     pytest_sessionfinish,
@@ -173,11 +175,22 @@ async def gameday(request: pytest.FixtureRequest, reused_stack: Endpoints | None
         reused_stack.nemesis.begin_game_day()
     else:
         phases.info("%s: bringing the %s stack up", request.node.name, name)
-    async with (contextlib.nullcontext(reused_stack) if reused_stack is not None
-                else make_stack(config).up()) as endpoints:
+    tick = request.node.get_closest_marker(TICK_MARK)
+    stack = make_stack(config) if reused_stack is None else None
+    if tick is not None:
+        if stack is None or not hasattr(stack, "tick_ms"):
+            pytest.skip(f"this game day needs a scheduler tick of {tick.args[0]} ms, and the "
+                        f"{name} stack{' reused for the run' if stack is None else ''} cannot "
+                        f"be given one")
+        stack.tick_ms = int(tick.args[0])
+    async with (contextlib.nullcontext(cast(Endpoints, reused_stack)) if stack is None
+                else stack.up()) as endpoints:
+        required = required_checkers(request.node)
         day = GameDay(name=request.node.name, stack=name, endpoints=endpoints,
                       seed=_seed(config), report_dir=Path(config.getoption("--report-dir")),
-                      required=required_checkers(request.node), scenario=request.node.nodeid)
+                      required=required, scenario=request.node.nodeid,
+                      checkers=chosen_checkers(request.node, required),
+                      measures=chosen_measures(request.node))
         try:
             phases.info("stack up at %s; the steady-state hypothesis, the game day's people",
                         endpoints.url)
@@ -250,12 +263,24 @@ def import_names(file_path: Path, rootpath: Path) -> list[str]:
 # ---------------------------------------------------------------------- verdicts first
 
 DECIDES = "decides"
+CHECKERS_MARK = "checkers"
+TICK_MARK = "tick_ms"
+MEASURES_MARK = "measures"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", f"{DECIDES}(*checkers): checkers this game day must be able to decide; an "
                    f"`unknown` verdict from one of them fails it")
+    config.addinivalue_line(
+        "markers", f"{TICK_MARK}(ms): bring this game day's own stack up with this scheduler "
+                   f"tick (skipped with --reuse-stack and on a deployment)")
+    config.addinivalue_line(
+        "markers", f"{CHECKERS_MARK}(*checkers): judge this game day with these checkers "
+                   f"(and those it decides) instead of the default set")
+    config.addinivalue_line(
+        "markers", f"{MEASURES_MARK}(*measures): figures to take beside time-to-stop "
+                   f"({', '.join(MEASURES)})")
 
 
 def required_checkers(node: pytest.Item | pytest.Collector) -> frozenset[str]:
@@ -267,6 +292,32 @@ def required_checkers(node: pytest.Item | pytest.Collector) -> frozenset[str]:
                                 f"{', '.join(sorted(unknown))}; checkers: "
                                 f"{', '.join(sorted(KNOWN_CHECKERS))}")
     return frozenset(names)
+
+
+def chosen_checkers(node: pytest.Item | pytest.Collector, required: frozenset[str]
+                    ) -> tuple[Checker, ...]:
+    """The checkers of a game day's `checkers` markers and those it decides, in the
+    catalogue's order; the default set when it names none."""
+    names = {str(n) for mark in node.iter_markers(CHECKERS_MARK) for n in mark.args}
+    unknown = names - KNOWN_CHECKERS
+    if unknown:
+        raise pytest.UsageError(f"{node.nodeid}: @pytest.mark.{CHECKERS_MARK} names no checker "
+                                f"{', '.join(sorted(unknown))}; checkers: "
+                                f"{', '.join(sorted(KNOWN_CHECKERS))}")
+    if not names:
+        return tuple(dict.fromkeys([*CHECKERS, *(c for c in ALL_CHECKERS
+                                                  if c.__name__ in required)]))
+    return tuple(c for c in ALL_CHECKERS if c.__name__ in names | required)
+
+
+def chosen_measures(node: pytest.Item | pytest.Collector) -> dict[str, Measure]:
+    names = [str(n) for mark in node.iter_markers(MEASURES_MARK) for n in mark.args]
+    unknown = set(names) - set(MEASURES)
+    if unknown:
+        raise pytest.UsageError(f"{node.nodeid}: @pytest.mark.{MEASURES_MARK} names no "
+                                f"measure {', '.join(sorted(unknown))}; measures: "
+                                f"{', '.join(MEASURES)}")
+    return {n: MEASURES[n] for n in names}
 
 
 @pytest.hookimpl(wrapper=True)

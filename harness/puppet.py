@@ -21,8 +21,10 @@ from typing import Any, Protocol
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
+
+from harness import scripts
 
 # USD per million tokens in coveyd's price table for the model "puppet": (1.0, 2.0).
 Reply = dict[str, Any]
@@ -34,7 +36,7 @@ def _call(name: str, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _reply(calls: list[dict[str, Any]] | None, content: str | None = None,
-           prompt_tokens: int = 100, completion_tokens: int = 20) -> Reply:
+           prompt_tokens: float = 100, completion_tokens: float = 20) -> Reply:
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex[:8]}", "object": "chat.completion",
         "created": int(time.time()), "model": "puppet",
@@ -118,19 +120,49 @@ class LedgerEntry:
     step: int
     behaviour: str
     tool_results: list[str]
+    # The tool call the puppet answered with (empty for the older entries of a remote one).
+    tool: str = ""
+    args: dict[str, Any] = field(default_factory=dict)
+    # The usage the reply reported (what the daemon prices); NaN when the script says so.
+    prompt_tokens: float = 0
+    completion_tokens: float = 0
+
+
+# A behaviour: the name of a built-in one, of a script in fixtures/scripts, or a script.
+Behaviour = str | dict[str, Any]
+
+
+def behaviour_name(behaviour: Behaviour) -> str:
+    if isinstance(behaviour, str):
+        return behaviour
+    return str(behaviour.get("name", "inline script"))
+
+
+def resolve(behaviour: Behaviour) -> Behaviour:
+    """A built-in behaviour's name as it is; a script's name as its script; a script checked.
+    Raises ValueError with what is known."""
+    if isinstance(behaviour, str):
+        if behaviour in BEHAVIOURS:
+            return behaviour
+        if behaviour in scripts.fixture_names():
+            return {"name": behaviour, **scripts.load(behaviour)}
+        raise ValueError(f"unknown behaviour {behaviour!r}; known: "
+                         f"{', '.join([*BEHAVIOURS, *scripts.fixture_names()])}")
+    scripts.validate(behaviour)
+    return behaviour
 
 
 @dataclass
 class Puppet:
-    assigned: dict[str, str] = field(default_factory=dict)
+    assigned: dict[str, Behaviour] = field(default_factory=dict)
     ledger: dict[str, list[LedgerEntry]] = field(default_factory=lambda: defaultdict(list))
+    # Every call that reached the failing service, per agent (wall-clock ns).
+    failures: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
 
-    def assign(self, agent_id: str, behaviour: str) -> None:
-        if behaviour not in BEHAVIOURS:
-            raise ValueError(f"unknown behaviour {behaviour!r}; known: {', '.join(BEHAVIOURS)}")
-        self.assigned[agent_id] = behaviour
+    def assign(self, agent_id: str, behaviour: Behaviour) -> None:
+        self.assigned[agent_id] = resolve(behaviour)
 
-    def behaviour_of(self, agent_id: str, messages: list[dict[str, Any]]) -> str:
+    def behaviour_of(self, agent_id: str, messages: list[dict[str, Any]]) -> Behaviour:
         if agent_id in self.assigned:
             return self.assigned[agent_id]
         task = next((str(m.get("content") or "") for m in messages if m.get("role") == "user"),
@@ -141,23 +173,44 @@ class Puppet:
     def answer(self, agent_id: str, messages: list[dict[str, Any]], base_url: str) -> Reply:
         behaviour = self.behaviour_of(agent_id, messages)
         results = [str(m.get("content")) for m in messages if m.get("role") == "tool"]
-        self.ledger[agent_id].append(LedgerEntry(agent_id, time.time_ns(), len(results),
-                                                 behaviour, results[-1:]))
-        return BEHAVIOURS[behaviour](len(results), base_url)
+        step = len(results)
+        if isinstance(behaviour, str):
+            reply = BEHAVIOURS[behaviour](step, base_url)
+        else:
+            call = scripts.call_at(behaviour, step, agent_id, base_url)
+            reply = _reply([_call(call.tool, call.args)], prompt_tokens=call.prompt_tokens,
+                           completion_tokens=call.completion_tokens)
+        tool_calls = reply["choices"][0]["message"].get("tool_calls") or [{}]
+        function = tool_calls[0].get("function", {})
+        usage = reply["usage"]
+        self.ledger[agent_id].append(LedgerEntry(
+            agent_id, time.time_ns(), step, behaviour_name(behaviour), results[-1:],
+            function.get("name", ""), json.loads(function.get("arguments", "{}")),
+            usage["prompt_tokens"], usage["completion_tokens"]))
+        return reply
 
     def actions(self, agent_id: str) -> list[LedgerEntry]:
         return list(self.ledger.get(agent_id, []))
 
+    def failed_calls(self, agent_id: str) -> list[int]:
+        return list(self.failures.get(agent_id, []))
+
+
+def _json(content: Any) -> Response:
+    """JSON that may carry NaN (a script that reports a NaN usage): Starlette's JSONResponse
+    refuses it, and the daemon, like Python's json, reads it."""
+    return Response(json.dumps(content), media_type="application/json")
+
 
 class AssignIn(BaseModel):
-    behaviour: str
+    behaviour: str | dict[str, Any]
 
 
 def create_app(puppet: Puppet) -> FastAPI:
     app = FastAPI(title="puppet model")
 
     @app.post("/v1/chat/completions")
-    async def completions(request: Request) -> JSONResponse:
+    async def completions(request: Request) -> Response:
         try:
             body = await request.json()
             messages = body["messages"]
@@ -167,7 +220,7 @@ def create_app(puppet: Puppet) -> FastAPI:
             return JSONResponse({"error": {"message": f"bad request: {exc}"}}, status_code=400)
         agent = request.headers.get("x-covey-agent", "?")
         base = str(request.base_url).rstrip("/")
-        return JSONResponse(puppet.answer(agent, messages, base))
+        return _json(puppet.answer(agent, messages, base))
 
     @app.post("/puppet/agents/{agent_id}", status_code=204)
     async def assign(agent_id: str, body: AssignIn) -> None:
@@ -179,14 +232,19 @@ def create_app(puppet: Puppet) -> FastAPI:
             raise HTTPException(422, str(exc)) from None
 
     @app.get("/puppet/ledger")
-    async def ledger(agent: str | None = None) -> list[dict[str, Any]]:
+    async def ledger(agent: str | None = None) -> Response:
         entries = puppet.actions(agent) if agent else [
             e for rows in puppet.ledger.values() for e in rows]
-        return [asdict(e) for e in sorted(entries, key=lambda e: e.at_ns)]
+        return _json([asdict(e) for e in sorted(entries, key=lambda e: e.at_ns)])
 
     @app.get("/puppet/fail")
-    async def fail() -> JSONResponse:
+    async def fail(agent: str = "?") -> JSONResponse:
+        puppet.failures[agent].append(time.time_ns())
         return JSONResponse({"error": "always failing"}, status_code=500)
+
+    @app.get("/puppet/failures")
+    async def failures(agent: str) -> list[int]:
+        return puppet.failed_calls(agent)
 
     return app
 
@@ -194,9 +252,13 @@ def create_app(puppet: Puppet) -> FastAPI:
 class PuppetControl(Protocol):
     """How a game day steers the puppet and reads its ledger, wherever the puppet runs."""
 
-    async def assign(self, agent_id: str, behaviour: str) -> None: ...
+    async def assign(self, agent_id: str, behaviour: Behaviour) -> None: ...
 
     async def actions(self, agent_id: str) -> list[LedgerEntry]: ...
+
+    async def failed_calls(self, agent_id: str) -> list[int]:
+        """When each call of this agent reached the failing service (wall-clock ns)."""
+        ...
 
 
 @dataclass
@@ -205,11 +267,14 @@ class LocalPuppet:
 
     puppet: Puppet
 
-    async def assign(self, agent_id: str, behaviour: str) -> None:
+    async def assign(self, agent_id: str, behaviour: Behaviour) -> None:
         self.puppet.assign(agent_id, behaviour)
 
     async def actions(self, agent_id: str) -> list[LedgerEntry]:
         return self.puppet.actions(agent_id)
+
+    async def failed_calls(self, agent_id: str) -> list[int]:
+        return self.puppet.failed_calls(agent_id)
 
 
 @dataclass
@@ -218,11 +283,18 @@ class RemotePuppet:
 
     url: str  # the puppet's base URL as this process reaches it (no /v1)
 
-    async def assign(self, agent_id: str, behaviour: str) -> None:
+    async def assign(self, agent_id: str, behaviour: Behaviour) -> None:
+        resolved = resolve(behaviour)  # the scripts are this checkout's, not the image's
         async with httpx.AsyncClient(timeout=10) as http:
             r = await http.post(f"{self.url}/puppet/agents/{agent_id}",
-                                json={"behaviour": behaviour})
+                                json={"behaviour": resolved})
             r.raise_for_status()
+
+    async def failed_calls(self, agent_id: str) -> list[int]:
+        async with httpx.AsyncClient(timeout=30) as http:
+            r = await http.get(f"{self.url}/puppet/failures", params={"agent": agent_id})
+            r.raise_for_status()
+            return [int(n) for n in r.json()]
 
     async def actions(self, agent_id: str) -> list[LedgerEntry]:
         async with httpx.AsyncClient(timeout=30) as http:

@@ -49,6 +49,11 @@ class Endpoints:
     # organisation of its own (harness/isolation.py).
     platform_email: str | None = None
     platform_password: str | None = None
+    # The kill-flag lease the daemons hold (COVEY_LEASE_MS), None where the harness cannot
+    # know it (a deployment); and the control plane's data folder where it is on this
+    # machine (processes and containers stacks), which holds the agents' homes.
+    lease_ms: int | None = None
+    data_dir: Path | None = None
 
 
 class Stack(Protocol):
@@ -179,7 +184,8 @@ class ProcessesStack:
                 yield Endpoints(url, admin, ADMIN_PASSWORD, puppet, puppet_url,
                                 {"covey": health.get("version", "?"),
                                  "python": sys.version.split()[0]}, nemesis,
-                                platform, ADMIN_PASSWORD)
+                                platform, ADMIN_PASSWORD, lease_ms=self.lease_ms,
+                                data_dir=workdir / "data")
         finally:
             if plane is not None and plane.returncode is None:
                 # SIGTERM: the control plane destroys its sandboxes on the way out.
@@ -392,7 +398,8 @@ class ContainersStack:
                                 "http://puppet:9000/v1",
                                 {"covey": health.get("version", "?"), "image": self.image,
                                  "python": sys.version.split()[0]}, nemesis,
-                                platform, ADMIN_PASSWORD)
+                                platform, ADMIN_PASSWORD, lease_ms=self.lease_ms,
+                                data_dir=workdir / "data")  # the same path on this host
         finally:
             await asyncio.to_thread(self._tear_down, containers, network, gameday, workdir)
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 from collections.abc import Collection, Iterable
 
-from harness.checkers import CHECKERS, Verdict
+from harness.checkers import ALL_CHECKERS, Verdict
 from harness.history import Event, History
 
-KNOWN_CHECKERS = frozenset(c.__name__ for c in CHECKERS)
+KNOWN_CHECKERS = frozenset(c.__name__ for c in ALL_CHECKERS)
 EVENTS_SHOWN = 8
 VALUE_CHARS = 200
 

@@ -20,7 +20,7 @@ T = TypeVar("T")
 IMPOSSIBLE_EVERY_S = 0.5
 
 
-async def eventually(check: Callable[[], Awaitable[T]], deadline_s: float, message: str,
+async def eventually(check: Callable[[], Awaitable[T | None]], deadline_s: float, message: str,
                      interval: float = 0.05,
                      impossible: Callable[[], Awaitable[str | None]] | None = None) -> T:
     """Poll until check() returns something truthy; fail with `message` at the deadline, or

@@ -1,0 +1,165 @@
+"""The game day's people at work, and the waits every scenario shares.
+
+`day.as_("security").kill_fleet()` is the one way a scenario acts: every call goes through
+`GameDay.operate`, so it lands in the history as an invoke and its outcome (ok for a 2xx,
+fail for a refusal, info when nobody knows), where the checkers find it. `day.until` holds
+the waits, each polling with a deadline and failing with what never happened, or at once
+when it can no longer happen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from harness.client import json_of
+from harness.waiting import eventually
+
+if TYPE_CHECKING:
+    from harness.gameday import GameDay
+
+AgentRef = dict[str, Any] | str
+LIVE_SANDBOX = ("starting", "running")
+
+
+def _id(agent: AgentRef) -> str:
+    return agent if isinstance(agent, str) else str(agent["id"])
+
+
+class Operator:
+    """One human of the game day; each call recorded as an operation named after it."""
+
+    def __init__(self, day: GameDay, role: str) -> None:
+        self.day, self.role = day, role
+        self.client = day.people[role]
+
+    async def kill_agent(self, agent: AgentRef) -> httpx.Response:
+        a = _id(agent)
+        return await self.day.operate(self.role, "kill_agent", {"agent_id": a},
+                                      lambda: self.client.kill_agent(a))
+
+    async def resume_agent(self, agent: AgentRef) -> httpx.Response:
+        a = _id(agent)
+        return await self.day.operate(self.role, "resume_agent", {"agent_id": a},
+                                      lambda: self.client.resume_agent(a))
+
+    async def kill_fleet(self) -> httpx.Response:
+        return await self.day.operate(self.role, "kill_fleet", {}, self.client.kill_fleet)
+
+    async def resume_fleet(self) -> httpx.Response:
+        return await self.day.operate(self.role, "resume_fleet", {}, self.client.resume_fleet)
+
+    async def wake(self, agent: AgentRef) -> httpx.Response:
+        a = _id(agent)
+        return await self.day.operate(self.role, "wake", {"agent_id": a},
+                                      lambda: self.client.wake(a))
+
+    async def fire_heartbeat(self, agent: AgentRef, name: str) -> httpx.Response:
+        a = _id(agent)
+        return await self.day.operate(self.role, "fire_heartbeat",
+                                      {"agent_id": a, "heartbeat": name},
+                                      lambda: self.client.fire_heartbeat(a, name))
+
+    async def trigger(self, agent: dict[str, Any], title: str = "triggered") -> httpx.Response:
+        token = str(agent["trigger_token"])
+        return await self.day.operate(self.role, "trigger", {"agent_id": _id(agent)},
+                                      lambda: self.client.trigger(token, title))
+
+    async def create_task(self, agent: AgentRef, title: str | None = None,
+                          body: str = "") -> httpx.Response:
+        a, t = _id(agent), title or self.day.fake.sentence(nb_words=5)
+        return await self.day.operate(self.role, "create_task", {"agent_id": a, "title": t},
+                                      lambda: self.client.create_task(a, t, body))
+
+    async def change_task(self, agent: AgentRef, task_id: str, **changes: Any
+                          ) -> httpx.Response:
+        a = _id(agent)
+        return await self.day.operate(self.role, "change_task",
+                                      {"agent_id": a, "task_id": task_id, **changes},
+                                      lambda: self.client.change_task(a, task_id, **changes))
+
+
+class Until:
+    """The waits a game day shares. Each returns what it waited for."""
+
+    def __init__(self, day: GameDay) -> None:
+        self.day = day
+
+    def _agents(self, agents: list[AgentRef] | None) -> list[str]:
+        return [_id(a) for a in agents] if agents is not None else list(self.day.agents)
+
+    async def all_sandboxes_gone(self, agents: list[AgentRef] | None = None,
+                                 deadline_s: float = 60) -> None:
+        """No sandbox of these agents (default: all of the game day's) is starting or
+        running."""
+        ids = self._agents(agents)
+
+        async def gone() -> bool:
+            for agent_id in ids:
+                if any(s["state"] in LIVE_SANDBOX for s in await self.day.sandboxes(agent_id)):
+                    return False
+            return True
+        await eventually(gone, deadline_s, f"a sandbox of {len(ids)} stopped agents kept "
+                         f"running: a stop that leaves a sandbox up has not stopped the agent")
+
+    async def all_working(self, agents: list[AgentRef] | None = None,
+                          deadline_s: float = 120) -> dict[str, dict[str, Any]]:
+        """Every one of these agents has a task in progress; returns every task read."""
+        ids = set(self._agents(agents))
+
+        async def working() -> dict[str, dict[str, Any]] | None:
+            tasks = await self.day.read_tasks()
+            busy = {t["agent_id"] for t in tasks.values() if t["state"] == "in_progress"}
+            return tasks if ids <= busy else None
+        found: dict[str, dict[str, Any]] = await eventually(
+            working, deadline_s, "the agents never all got to work on their tasks",
+            impossible=self.day.why_work_cannot_finish)
+        return found
+
+    async def all_tasks_done(self, deadline_s: float = 120) -> dict[str, dict[str, Any]]:
+        """Every task of the game day is done."""
+        async def done() -> dict[str, dict[str, Any]] | None:
+            tasks = await self.day.read_tasks()
+            return tasks if all(t["state"] == "done" for t in tasks.values()) else None
+        found: dict[str, dict[str, Any]] = await eventually(
+            done, deadline_s, "work given to the agents was left undone",
+            impossible=self.day.why_work_cannot_finish)
+        return found
+
+    async def condition(self, check: Callable[[], Awaitable[Any]], deadline_s: float,
+                        message: str) -> Any:
+        """Any other outcome the scenario waits for, with the rule it shows as `message`."""
+        return await eventually(check, deadline_s, message)
+
+    async def all_tasks_done_of(self, agents: list[AgentRef]) -> bool:
+        """One look (not a wait): is every task of these agents done?"""
+        ids = set(self._agents(agents))
+        tasks = await self.day.read_tasks()
+        return all(t["state"] == "done" for t in tasks.values() if t["agent_id"] in ids)
+
+    async def stopped_by(self, agent: AgentRef, layer: str, deadline_s: float = 60
+                         ) -> dict[str, Any]:
+        """A session of the agent ended stopped by its guard's `layer` (budget, loop,
+        circuit_breaker, ...); returns that session. Fails at once when it ended otherwise."""
+        agent_id = _id(agent)
+        auditor = self.day.people["auditor"]
+
+        async def stopped() -> dict[str, Any] | None:
+            for s in json_of(await auditor.sessions(agent_id)):
+                if s["stop_layer"] == layer:
+                    return dict(s)
+            return None
+
+        async def otherwise() -> str | None:
+            ended = [s for s in json_of(await auditor.sessions(agent_id))
+                     if s["ended_at"] is not None and s["stop_layer"] not in (None, layer)]
+            if ended:
+                return (f"its session {ended[0]['id']} was stopped by "
+                        f"{ended[0]['stop_layer']} instead ({ended[0]['stop_reason']})")
+            return None
+        found: dict[str, Any] = await eventually(
+            stopped, deadline_s, f"the guard's {layer} layer never stopped agent {agent_id}",
+            impossible=otherwise)
+        return found

@@ -1,0 +1,101 @@
+"""The scenario API a game day is written in: every operator call lands in the history with
+its outcome, the shared waits fail with the rule when the outcome cannot come, and a game
+day's markers choose its checkers and measures.
+
+The control plane here is an httpx transport answering from a table (one unit, the API's
+recording, under test); the game days themselves run against real stacks in scenarios/.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from harness.client import CoveyClient
+from harness.gameday import GameDay
+
+pytest_plugins = ["pytester"]
+Handler = Callable[[httpx.Request], httpx.Response]
+
+
+def day_with(tmp_path: Path, handler: Handler) -> GameDay:
+    day = GameDay(name="api", stack="none", endpoints=None,  # type: ignore[arg-type]
+                  seed=1, report_dir=tmp_path)
+    for role in ("security", "auditor", "agent_owner"):
+        client = CoveyClient("http://covey.test")
+        client.http = httpx.AsyncClient(base_url="http://covey.test",
+                                        transport=httpx.MockTransport(handler))
+        day.people[role] = client
+    return day
+
+
+async def test_every_call_is_recorded_with_its_outcome(tmp_path: Path) -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/v1/fleet/kill":
+            return httpx.Response(200, json={"agents_stopped": ["a1"]})
+        if request.url.path.endswith("/wake"):
+            return httpx.Response(202, json={"outcome": "busy", "session_id": None})
+        if request.url.path == "/api/v1/agents/a1/resume":
+            raise httpx.ConnectError("connection reset")
+        return httpx.Response(403, json={"error": "Forbidden", "hint": "ask security"})
+
+    day = day_with(tmp_path, answer)
+    assert (await day.as_("security").kill_fleet()).status_code == 200
+    assert (await day.as_("agent_owner").resume_fleet()).status_code == 403
+    await day.as_("agent_owner").wake("a1")
+    with pytest.raises(httpx.ConnectError):
+        await day.as_("security").resume_agent("a1")
+    ops = [(op.f, op.type, op.process) for op in day.history.operations(
+        ("kill_fleet", "resume_fleet", "wake", "resume_agent"))]
+    assert ops == [("kill_fleet", "ok", "operator:security"),
+                   ("resume_fleet", "fail", "operator:agent_owner"),
+                   ("wake", "ok", "operator:agent_owner"),
+                   ("resume_agent", "info", "operator:security")]
+    wake = day.history.operations("wake")[0]
+    assert wake.value["outcome"] == "busy" and wake.agent_id == "a1", (
+        "a wake that found the agent busy must not read as a wake that started it")
+    with pytest.raises(KeyError, match="no controlling"):
+        day.as_("controlling")
+
+
+async def test_stopped_by_fails_at_once_when_another_layer_stopped_the_agent(
+        tmp_path: Path) -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=[{
+            "id": "s1", "ended_at": "2026-01-01T00:00:00+00:00", "stop_layer": "loop",
+            "stop_reason": "repeated shell 3 times with identical arguments"}])
+
+    day = day_with(tmp_path, answer)
+    with pytest.raises(AssertionError, match="stopped by loop instead") as failed:
+        await day.until.stopped_by("a1", "budget", deadline_s=30)
+    assert "the guard's budget layer never stopped agent a1" in str(failed.value)
+
+
+def test_markers_choose_checkers_and_measures(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_choice="""
+import pytest
+from harness.checkers import CHECKERS
+from harness.plugin import chosen_checkers, chosen_measures, required_checkers
+
+@pytest.mark.decides("kill_obeyed")
+@pytest.mark.checkers("home_is_last_sync")
+@pytest.mark.measures("work_lost")
+def test_chosen(request):
+    names = [c.__name__ for c in chosen_checkers(request.node, required_checkers(request.node))]
+    assert names == ["kill_obeyed", "home_is_last_sync"]
+    assert list(chosen_measures(request.node)) == ["work_lost"]
+
+def test_default(request):
+    assert chosen_checkers(request.node, frozenset()) == CHECKERS
+    assert chosen_measures(request.node) == {}
+
+@pytest.mark.checkers("no_such_rule")
+def test_unknown(request):
+    with pytest.raises(pytest.UsageError, match="names no checker no_such_rule"):
+        chosen_checkers(request.node, frozenset())
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3)
