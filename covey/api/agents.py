@@ -19,6 +19,7 @@ from covey.api.models import (
     HeartbeatIn,
     HeartbeatOut,
     KillOut,
+    ReasonIn,
     RecordingOut,
     ResumeOut,
     SandboxOut,
@@ -123,7 +124,7 @@ async def agent_is_stopped(conn: Connection, agent_id: UUID) -> bool:
     """Read both flags under lock: a trigger racing a kill either lands first (and the kill
     requeues what it started) or sees the flag."""
     row = await lock_agent(conn, agent_id, write=False)
-    return row is None or bool(row["killed"] or row["fleet_killed"])
+    return row is None or bool(row["stopped"])
 
 
 @router.get("", response_model=list[AgentOut])
@@ -380,19 +381,22 @@ async def sandboxes(agent_id: UUID, who: AnyRole, orch: Orch) -> list[SandboxOut
 
 
 @router.post("/{agent_id}/kill", response_model=KillOut)
-async def kill(agent_id: UUID, who: Killer, orch: Orch, request: Request) -> KillOut:
+async def kill(agent_id: UUID, who: Killer, orch: Orch, request: Request,
+               body: ReasonIn | None = None) -> KillOut:
     """The agent switch. Idempotent: a second kill changes nothing and succeeds."""
     report = await orch.kill_agent(who.org_id, agent_id, who.human_id,
-                                   started=arrived(request))
+                                   started=arrived(request), reason=body.reason if body else None)
     if report is None:
         raise not_found("agent")
     return kill_out(report)
 
 
 @router.post("/{agent_id}/resume", response_model=ResumeOut)
-async def resume(agent_id: UUID, who: Killer, orch: Orch) -> ResumeOut:
+async def resume(agent_id: UUID, who: Killer, orch: Orch, body: ReasonIn | None = None
+                 ) -> ResumeOut:
     """Clear the agent's own flag. While the fleet stop stands, the agent stays held."""
-    report = await orch.resume_agent(who.org_id, agent_id, who.human_id)
+    report = await orch.resume_agent(who.org_id, agent_id, who.human_id,
+                                     reason=body.reason if body else None)
     if report is None:
         raise not_found("agent")
     return resume_out(report)
