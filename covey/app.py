@@ -21,7 +21,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from covey import __version__, errors
-from covey.api import agents, auth, daemon, flags, fleet, notifications, trigger
+from covey.api import (
+    administration,
+    agents,
+    auth,
+    daemon,
+    flags,
+    fleet,
+    notifications,
+    trigger,
+)
 from covey.api.deps import AnyRole
 from covey.api.openapi import document
 from covey.config import Settings
@@ -245,7 +254,7 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
     errors.install(app)
     app.openapi = lambda: document(app)  # type: ignore[method-assign]
     for router in (auth.router, agents.router, fleet.router, flags.router, trigger.router,
-                   notifications.router, daemon.router):
+                   notifications.router, daemon.router, administration.router):
         app.include_router(router)
 
     @app.get("/healthz", tags=["system"],
