@@ -56,17 +56,28 @@ def chromium(window: str = "1300,1600") -> Iterator[Any]:
         driver.quit()
 
 
+def click(driver: Any, element_id: str, timeout_s: float = 10) -> None:
+    """Click once the element can take it (shown by the page's script, not covered)."""
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.wait import WebDriverWait
+
+    WebDriverWait(driver, timeout_s).until(
+        expected_conditions.element_to_be_clickable(("id", element_id)),
+        f"#{element_id} never became clickable").click()
+
+
 def sign_in(driver: Any, base_url: str, email: str, password: str) -> None:
     """Sign in through /administration's own form, as a human would."""
     driver.get(f"{base_url}/administration")
     driver.find_element("id", "email").send_keys(email)
     driver.find_element("id", "password").send_keys(password)
-    driver.find_element("id", "sign-in").click()
+    click(driver, "sign-in")
     driver.find_element("id", "who")  # the signed-in page (implicit wait)
 
 
 def pull_fleet_switch(driver: Any, reason: str) -> None:
     """The red button, then the confirmation with a reason."""
-    driver.find_element("id", "fleet-kill").click()
+    click(driver, "fleet-kill")
+    click(driver, "fleet-reason")
     driver.find_element("id", "fleet-reason").send_keys(reason)
-    driver.find_element("id", "fleet-confirm").click()
+    click(driver, "fleet-confirm")

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from harness.browser import chromium, pull_fleet_switch, screenshot_dir, sign_in
+from harness.browser import chromium, click, pull_fleet_switch, screenshot_dir, sign_in
 from tests.support.plane import World, eventually
 
 PASSWORD = "correct horse battery"
@@ -33,7 +33,10 @@ async def _in_browser(fn: Any, *args: Any) -> Any:
 
 
 def _statuses(driver: Any) -> dict[str, str]:
-    return {row.get_attribute("data-agent-id"): row.find_element("css selector", ".status").text
+    """Each agent's status on the page, with "+session" while the page shows a live one."""
+    return {row.get_attribute("data-agent-id"):
+            row.find_element("css selector", ".status").text
+            + ("+session" if row.find_element("css selector", ".session").text else "")
             for row in driver.find_elements("css selector", "#agents tbody tr")}
 
 
@@ -94,7 +97,7 @@ async def test_security_pulls_the_red_button_and_sees_the_fleet_stop_live(
     assert json.loads(audit["detail"])["reason"] == "runaway spend on the billing agents"
 
     # Resume from the page: the agents come back to their held work.
-    await _in_browser(lambda: browser.find_element("id", "fleet-resume").click())
+    await _in_browser(click, browser, "fleet-resume")
     for a in agents:
         await world.wait_working(a)
 
@@ -102,7 +105,7 @@ async def test_security_pulls_the_red_button_and_sees_the_fleet_stop_live(
         state = await _in_browser(browser.execute_script,
                                   "return document.getElementById('fleet-state').dataset.killed")
         statuses = await _in_browser(_statuses, browser)
-        return state == "false" and all(statuses[a] != "killed" for a in agents)
+        return state == "false" and all(statuses[a] == "working+session" for a in agents)
     await eventually(running, 15, "the page never showed the fleet running again")
     await _in_browser(browser.save_screenshot,
                       str(screenshot_dir() / "administration-fleet-resumed.png"))

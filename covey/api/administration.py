@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 
+from covey.api.agents import AGENT_COLUMNS
 from covey.api.auth import SESSION_HOURS
 from covey.api.deps import KILLERS, SECURITY, SESSION_COOKIE, Principal, current_principal
 from covey.errors import ApiError
@@ -86,13 +87,8 @@ async def administration(request: Request) -> Response:
         " EXISTS (SELECT 1 FROM kill_flags WHERE scope='global') AS global_stop"
         " FROM organizations o WHERE o.id=$1", who.org_id)
     agents = await orch.pool.fetch(
-        """
-        SELECT a.id, a.slug, a.display_name, a.status, a.killed, a.kill_origin,
-               (SELECT s.id FROM sessions s WHERE s.agent_id=a.id
-                AND s.state IN ('starting','running') ORDER BY s.started_at DESC LIMIT 1)
-                   AS session_id
-        FROM agents a WHERE a.org_id=$1 ORDER BY a.slug
-        """, who.org_id)
+        f"SELECT {AGENT_COLUMNS} FROM agents a JOIN organizations o ON o.id=a.org_id"
+        " WHERE a.org_id=$1 ORDER BY a.slug", who.org_id)
     tools = await orch.pool.fetch(
         "SELECT tool, agent_id, reason FROM kill_flags WHERE scope='tool' AND org_id=$1"
         " ORDER BY tool", who.org_id)

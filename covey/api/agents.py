@@ -56,7 +56,9 @@ HeartbeatPathName = Annotated[str, Path(min_length=1, max_length=64,
 AGENT_COLUMNS = """
     a.id, a.org_id, a.slug, a.display_name, a.owner_id, a.status, a.killed, a.kill_origin,
     o.fleet_killed, a.warm_sandbox, a.budget_usd::float8 AS budget_usd, a.max_turns, a.model,
-    a.guard, a.created_at
+    a.guard, a.created_at,
+    (SELECT s.id FROM sessions s WHERE s.agent_id=a.id AND s.state IN ('starting','running')
+     ORDER BY s.started_at DESC LIMIT 1) AS running_session_id
 """
 TASK_COLUMNS = """
     id, agent_id, title, body, state, priority, origin, daemon_retries, result, created_at,

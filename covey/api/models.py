@@ -172,6 +172,8 @@ class AgentOut(BaseModel):
     model: str
     guard: dict[str, Any]
     created_at: datetime
+    running_session_id: UUID | None = Field(
+        default=None, description="The agent's live session (starting or running), if any")
 
 
 class AgentCreatedOut(AgentOut):
@@ -343,10 +345,14 @@ class FlagReasonIn(Strict):
     reason: Text = Field(min_length=1, max_length=500)
 
 
+# A tool's name as the daemon's toolbox knows it (shell, http_request, ...).
+ToolName = Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+
 class ToolFlagIn(Strict):
     """One tool stopped for one agent (agent_id) or for the whole organisation (no agent_id)."""
 
-    tool: Text = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    tool: ToolName
     agent_id: UUID | None = None
     reason: Text = Field(min_length=1, max_length=500)
 

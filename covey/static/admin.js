@@ -31,6 +31,7 @@
         if (row) {
           row.querySelector(".status").textContent = a.status;
           row.querySelector(".origin").textContent = a.kill_origin || "";
+          row.querySelector(".session code").textContent = a.running_session_id || "";
         }
       }
     }
