@@ -4,6 +4,7 @@ resume, and a daemon that cannot have its lease renewed stops anyway (fail close
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import time
@@ -70,10 +71,15 @@ async def test_a_global_flag_stops_the_agents_of_two_organisations(world: World)
         assert r.status_code == 409, r.text
         flags = (await other.get("/api/v1/flags")).json()
         assert [f["reason"] for f in flags if f["scope"] == "global"] == ["provider incident"]
+        await world.task(mine[1], "hold")  # a new task: the NOTIFY wake path
+        await asyncio.sleep(1.5)  # the one window in which nothing may start (ticks: 0.3 s)
         assert await world.db.fetchval(
-            "SELECT count(*) FROM sessions WHERE state IN ('starting','running')") == 0
+            "SELECT count(*) FROM sessions WHERE state IN ('starting','running')") == 0, \
+            "an agent woke while the global flag stood"
+        r = await platform.get("/api/v1/flags")
+        assert r.status_code == 200 and r.json()[0]["scope"] == "global", r.text
         r = await platform.post("/api/v1/flags/global/clear", json={"reason": "resolved"})
-        assert r.status_code == 200 and sorted(r.json()["agents_woken"]) == sorted(tasks), r.text
+        assert r.status_code == 200 and set(r.json()["agents_woken"]) == set(tasks), r.text
         for a in tasks:
             await world.wait_working(a)
         actions = [r["action"] for r in await world.db.fetch(

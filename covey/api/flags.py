@@ -4,18 +4,31 @@ lists all four and sets and clears the two that had no route: global and tool.""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
 
 from covey.api.agents import agent_of_org, kill_out, resume_out
-from covey.api.deps import SECURITY, AnyRole, Killer, Orch, PlatformAdmin, Principal, arrived
+from covey.api.deps import (
+    ORG_ROLES,
+    SECURITY,
+    Killer,
+    Orch,
+    PlatformAdmin,
+    Principal,
+    arrived,
+    require,
+)
 from covey.api.models import FlagChangeOut, FlagOut, FlagReasonIn, KillOut, ResumeOut, ToolFlagIn
 from covey.errors import ApiError
 
 router = APIRouter(prefix="/api/v1/flags", tags=["flags"])
+# A platform admin reads the flags too: they own the global one.
+Reader = Annotated[Principal, Depends(require(*ORG_ROLES, "platform_admin"))]
 
 
 @router.get("", response_model=list[FlagOut])
-async def list_flags(who: AnyRole, orch: Orch) -> list[FlagOut]:
+async def list_flags(who: Reader, orch: Orch) -> list[FlagOut]:
     """Every flag that stands over this organisation's agents, whatever its scope."""
     rows = await orch.pool.fetch(
         """
