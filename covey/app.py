@@ -21,7 +21,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from covey import __version__, errors
-from covey.api import agents, auth, daemon, fleet, notifications, trigger
+from covey.api import (
+    administration,
+    agents,
+    auth,
+    daemon,
+    flags,
+    fleet,
+    notifications,
+    trigger,
+)
 from covey.api.deps import AnyRole
 from covey.api.openapi import document
 from covey.config import Settings
@@ -155,6 +164,8 @@ class Listener:
             with contextlib.suppress(ValueError):
                 ids = [UUID(p) for p in payload.split(",") if p]
                 self.orch.spawn(self.orch.deliver_kills(ids))
+        elif channel == "covey_leases":  # a tool flag changed: tell our daemons now
+            self.orch.spawn(self.orch.renew_leases())
         elif channel == "covey_events":
             self.events.publish(payload)
 
@@ -162,7 +173,7 @@ class Listener:
         while True:
             try:
                 conn = await asyncpg.connect(self.url)
-                for channel in ("covey_wake", "covey_kill", "covey_events"):
+                for channel in ("covey_wake", "covey_kill", "covey_leases", "covey_events"):
                     await conn.add_listener(channel, self._on_notify)
                 closed = asyncio.Event()
                 conn.add_termination_listener(lambda _c, ev=closed: ev.set())
@@ -242,8 +253,8 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
                   description="Agent control plane with kill switches (covey-compatible).")
     errors.install(app)
     app.openapi = lambda: document(app)  # type: ignore[method-assign]
-    for router in (auth.router, agents.router, fleet.router, trigger.router,
-                   notifications.router, daemon.router):
+    for router in (auth.router, agents.router, fleet.router, flags.router, trigger.router,
+                   notifications.router, daemon.router, administration.router):
         app.include_router(router)
 
     @app.get("/healthz", tags=["system"],

@@ -29,7 +29,7 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 
 from covey import __version__
-from covey.guard import Guard, KillFlag, LeaseExpiredTrip, Limits, Trip
+from covey.guard import Guard, KillFlag, LeaseExpiredTrip, Limits, ToolStoppedTrip, Trip
 from covey.tools import SCHEMAS, Toolbox
 
 log = logging.getLogger("coveyd")
@@ -179,8 +179,16 @@ class Daemon:
                     self.finish("sleep", EXIT_SLEEP, str(payload.get("reason", "")))
                 return
             if kind == "lease":
+                before = set(self.flag.stopped)
                 self.flag.renew(float(payload.get("ttl_ms", 0)) / 1000,
                                 set(payload.get("stopped", [])))
+                if self.flag.stopped != before:
+                    # From here on the guard refuses what is stopped: the ground truth
+                    # for "no call of that tool after the flag was in hand".
+                    log.warning("kill-flag scopes now stopped: %s",
+                                ", ".join(sorted(self.flag.stopped)) or "none")
+                    await self.send("event", {"kind": "kill_flag", "status": "acknowledged",
+                                              "detail": {"stopped": sorted(self.flag.stopped)}})
             elif kind == "inject_config":
                 self.config = payload
             elif kind == "assign_task":
@@ -273,7 +281,17 @@ class Daemon:
                                          "content": json.dumps({"error": f"bad arguments: "
                                                                          f"{exc}"})})
                         continue
-                    probe = guard.before_call(name, args)
+                    try:
+                        probe = guard.before_call(name, args)
+                    except ToolStoppedTrip as refused:
+                        # A stopped tool is refused, not the agent: the model hears why and
+                        # may go on with its other tools.
+                        await self.send("event", {"kind": "tool", "status": "refused",
+                                                  "detail": {"tool": name,
+                                                             "reason": refused.reason}})
+                        messages.append({"role": "tool", "tool_call_id": call["id"],
+                                         "content": json.dumps({"error": refused.reason})})
+                        continue
                     if name == "finish":
                         guard.after_call(name, True, probe)
                         return Outcome(result=str(args.get("result", "")))

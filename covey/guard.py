@@ -51,6 +51,11 @@ class LeaseExpiredTrip(KillFlagTrip):
     """The flag store could not be asked in time: fail closed."""
 
 
+class ToolStoppedTrip(KillFlagTrip):
+    """One tool is stopped by a tool-scoped flag: this call is refused, the agent goes on
+    with its other tools (the daemon answers the model with the refusal)."""
+
+
 @dataclass(frozen=True)
 class Limits:
     max_cost_usd: float = 1.0
@@ -237,7 +242,7 @@ class KillFlag:
             if scope in self.stopped:
                 raise KillFlagTrip(f"kill flag set for {scope}", scope=scope)
         if tool is not None and f"tool:{tool}" in self.stopped:
-            raise KillFlagTrip(f"kill flag set for tool {tool}", scope=f"tool:{tool}")
+            raise ToolStoppedTrip(f"kill flag set for tool {tool}", scope=f"tool:{tool}")
 
 
 @dataclass(slots=True)

@@ -45,6 +45,12 @@ LIVE = ("starting", "running")
 HEARTBEAT_MIN_S = 60
 MAX_OPEN_HEARTBEAT_TASKS = 10
 
+# The one definition of "this agent may run" (agents as a, organisations as o): its own flag,
+# its organisation's, and the control plane's global flag. Every wake path, every claim and
+# every lease renewal uses it; a rule restated per query once left a path that ignored a flag.
+MAY_RUN = ("NOT a.killed AND NOT o.fleet_killed"
+           " AND NOT EXISTS (SELECT 1 FROM kill_flags g WHERE g.scope='global')")
+
 FLEET_KILLED_TITLE = (
     "The emergency stop was pulled: every agent of this organisation is paused"
 )
@@ -129,10 +135,14 @@ async def emit_statuses(conn: Connection, org_id: UUID, agent_ids: list[UUID], s
         await conn.execute("SELECT pg_notify('covey_events', $1)", payload)
 
 
-async def lock_agent(conn: Connection, agent_id: UUID, *, write: bool) -> asyncpg.Record | None:
-    """Lock an agent, then its organisation (the one lock order), and read both flags."""
+async def lock_agent(conn: Connection, agent_id: UUID, *, write: bool
+                     ) -> dict[str, Any] | None:
+    """Lock an agent, then its organisation (the one lock order), and read the flags:
+    `stopped` is MAY_RUN's answer, asked in a statement of its own after the locks, so that
+    it sees a switch that committed while we waited (a subquery of the locking statement
+    would read the snapshot from before the wait)."""
     mode = "FOR NO KEY UPDATE OF a" if write else "FOR SHARE OF a"
-    return await conn.fetchrow(
+    row = await conn.fetchrow(
         f"""
         SELECT a.id, a.org_id, a.killed, a.kill_origin, a.warm_sandbox, a.slug,
                a.display_name, a.owner_id, o.fleet_killed
@@ -141,6 +151,12 @@ async def lock_agent(conn: Connection, agent_id: UUID, *, write: bool) -> asyncp
         """,
         agent_id,
     )
+    if row is None:
+        return None
+    may_run = await conn.fetchval(
+        f"SELECT {MAY_RUN} FROM agents a JOIN organizations o ON o.id=a.org_id WHERE a.id=$1",
+        agent_id)
+    return {**dict(row), "stopped": not may_run}
 
 
 async def lock_fleet(conn: Connection, org_id: UUID) -> bool | None:
@@ -219,7 +235,7 @@ class Orchestrator:
             row = await lock_agent(conn, agent_id, write=True)
             if row is None:
                 return WakeResult("idle")
-            if row["killed"] or row["fleet_killed"]:
+            if row["stopped"]:
                 metrics.wakes.labels(path, "refused").inc()
                 return WakeResult("refused")
             # A statement of its own, after the lock: it sees a session that a concurrent
@@ -315,7 +331,7 @@ class Orchestrator:
             agent_id = await conn.fetchval("SELECT agent_id FROM sessions WHERE id=$1",
                                            session_id)
             agent = await lock_agent(conn, agent_id, write=True) if agent_id else None
-            if agent is None or agent["killed"] or agent["fleet_killed"]:
+            if agent is None or agent["stopped"]:
                 return None
             state = await conn.fetchval("SELECT state FROM sessions WHERE id=$1 FOR UPDATE",
                                         session_id)
@@ -375,8 +391,9 @@ class Orchestrator:
                 metrics.rejected_results.labels("unknown").inc()
                 return "unknown task"
             why = None
-            if agent["killed"] or agent["fleet_killed"]:
-                why = "agent is killed" if agent["killed"] else "fleet is stopped"
+            if agent["stopped"]:
+                why = ("agent is killed" if agent["killed"] else
+                       "fleet is stopped" if agent["fleet_killed"] else "control plane is stopped")
             elif row["session_state"] not in LIVE:
                 why = f"session is {row['session_state']}"
             elif (row["task_state"] != "in_progress" or row["claimed_by"] != session_id
@@ -564,8 +581,8 @@ class Orchestrator:
         raise AssertionError("unreachable")
 
     async def kill_agent(self, org_id: UUID, agent_id: UUID, actor_id: UUID | None,
-                         origin: str = "agent", started: float | None = None
-                         ) -> KillReport | None:
+                         origin: str = "agent", started: float | None = None,
+                         reason: str | None = None) -> KillReport | None:
         """DESIGN §2.3 line 1. Returns None when the agent is not in this organisation.
         `started` is when the request arrived (perf_counter), for the stage metrics."""
         started = time.perf_counter() if started is None else started
@@ -593,7 +610,7 @@ class Orchestrator:
             live = await self._cancel_live_sessions(conn, "s.agent_id=$1", [agent_id])
             if not row["was_killed"] or row["was_origin"] != origin:
                 await audit(conn, org_id, actor_id, "agent.kill", str(agent_id),
-                            {"origin": origin})
+                            {"origin": origin, "reason": reason})
                 await emit_status(conn, org_id, agent_id, "killed")
             return row, live
 
@@ -615,7 +632,8 @@ class Orchestrator:
         return report
 
     async def kill_fleet(self, org_id: UUID, actor_id: UUID | None,
-                         started: float | None = None) -> KillReport:
+                         started: float | None = None, reason: str | None = None
+                         ) -> KillReport:
         """DESIGN §2.3 line 2: the org flag, then every agent's kill, in one commit."""
         started = time.perf_counter() if started is None else started
 
@@ -624,8 +642,10 @@ class Orchestrator:
             await conn.execute(
                 "UPDATE organizations SET fleet_killed=true,"
                 " fleet_killed_at=COALESCE(fleet_killed_at, now()),"
-                " fleet_killed_by=COALESCE(fleet_killed_by, $2) WHERE id=$1",
-                org_id, actor_id,
+                " fleet_killed_by=COALESCE(fleet_killed_by, $2),"
+                " fleet_killed_reason=CASE WHEN fleet_killed THEN fleet_killed_reason ELSE $3 END"
+                " WHERE id=$1",
+                org_id, actor_id, reason,
             )
             newly = [r["id"] for r in await conn.fetch(
                 "UPDATE agents SET killed=true, kill_origin='fleet', status='killed',"
@@ -645,7 +665,7 @@ class Orchestrator:
                     org_id, FLEET_KILLED_TITLE, recipients,
                 )
                 await audit(conn, org_id, actor_id, "fleet.kill", str(org_id),
-                            {"agents": len(newly)})
+                            {"agents": len(newly), "reason": reason})
             await emit_statuses(conn, org_id, newly, "killed")
             return was, newly, live
 
@@ -735,8 +755,8 @@ class Orchestrator:
         """A kill announced by another replica (or by ourselves: sent at most once)."""
         await asyncio.gather(*(self.hub.send_kill(s) for s in session_ids))
 
-    async def resume_agent(self, org_id: UUID, agent_id: UUID, actor_id: UUID | None
-                           ) -> ResumeReport | None:
+    async def resume_agent(self, org_id: UUID, agent_id: UUID, actor_id: UUID | None,
+                           reason: str | None = None) -> ResumeReport | None:
         """DESIGN §2.3 line 6: clears the agent's own flag; a fleet stop still holds it."""
         async with transaction(self.pool) as conn:
             row = await lock_agent(conn, agent_id, write=True)
@@ -748,18 +768,20 @@ class Orchestrator:
                     " status='sleeping' WHERE id=$1",
                     agent_id,
                 )
-                await audit(conn, org_id, actor_id, "agent.resume", str(agent_id))
+                await audit(conn, org_id, actor_id, "agent.resume", str(agent_id),
+                            {"reason": reason})
                 await record(conn, agent_id, None, "kill", "resumed", {})
                 await emit_status(conn, org_id, agent_id, "sleeping")
         report = ResumeReport(changed=bool(row["killed"]), held_by_fleet=bool(row["fleet_killed"]))
         if row["killed"]:
             report.agents_released = [agent_id]
-        if not row["fleet_killed"]:
+        if not row["fleet_killed"]:  # wake() still asks MAY_RUN (a global stop holds it)
             report.agents_woken = await self.wake_many([agent_id], "resume")
         metrics.resumes.labels("agent", "resumed" if report.changed else "noop").inc()
         return report
 
-    async def resume_fleet(self, org_id: UUID, actor_id: UUID | None) -> ResumeReport:
+    async def resume_fleet(self, org_id: UUID, actor_id: UUID | None,
+                           reason: str | None = None) -> ResumeReport:
         """DESIGN §2.3 line 5: clear the org flag and only the agent flags the fleet set,
         then wake every agent with open work now, not on the next tick."""
 
@@ -767,7 +789,7 @@ class Orchestrator:
             was = bool(await lock_fleet(conn, org_id))
             await conn.execute(
                 "UPDATE organizations SET fleet_killed=false, fleet_killed_at=NULL,"
-                " fleet_killed_by=NULL WHERE id=$1",
+                " fleet_killed_by=NULL, fleet_killed_reason=NULL WHERE id=$1",
                 org_id,
             )
             released = [r["id"] for r in await conn.fetch(
@@ -779,10 +801,11 @@ class Orchestrator:
             await emit_statuses(conn, org_id, released, "sleeping")
             if was:
                 await audit(conn, org_id, actor_id, "fleet.resume", str(org_id),
-                            {"agents": len(released)})
+                            {"agents": len(released), "reason": reason})
             with_work = [r["id"] for r in await conn.fetch(
-                "SELECT DISTINCT a.id FROM agents a JOIN backlog_tasks t ON t.agent_id=a.id"
-                " WHERE a.org_id=$1 AND NOT a.killed AND t.state='open'",
+                "SELECT DISTINCT a.id FROM agents a JOIN organizations o ON o.id=a.org_id"
+                " JOIN backlog_tasks t ON t.agent_id=a.id"
+                f" WHERE a.org_id=$1 AND t.state='open' AND {MAY_RUN}",
                 org_id,
             )]
             return was, released, with_work
@@ -795,6 +818,88 @@ class Orchestrator:
         metrics.resumes.labels("fleet", "resumed" if was else "noop").inc()
         return report
 
+    # ---------------------------------------------------------------- scoped flags
+
+    async def stop_globally(self, actor_id: UUID | None, reason: str,
+                            started: float | None = None) -> KillReport:
+        """The global flag: every organisation on this control plane stops. Agents' own
+        flags are left alone, so that clearing it brings back exactly what it stopped."""
+        started = time.perf_counter() if started is None else started
+
+        async def flag(conn: Connection) -> tuple[bool, list[asyncpg.Record]]:
+            # Every agent, then every organisation: the one lock order, so a wake either
+            # commits its session before this (and is cancelled here) or sees the flag.
+            await conn.execute("SELECT id FROM agents ORDER BY id FOR NO KEY UPDATE")
+            await conn.execute("SELECT id FROM organizations ORDER BY id FOR NO KEY UPDATE")
+            inserted = await conn.fetchval(
+                "INSERT INTO kill_flags (id, scope, reason, set_by) VALUES ($1, 'global', $2, $3)"
+                " ON CONFLICT DO NOTHING RETURNING id", uuid4(), reason, actor_id)
+            live = await self._cancel_live_sessions(conn, "true", [])
+            stopped = await conn.fetch(
+                "UPDATE agents SET status='sleeping' WHERE id = ANY($1::uuid[]) AND NOT killed"
+                " RETURNING id, org_id", [s["agent_id"] for s in live])
+            for org in {r["org_id"] for r in stopped}:
+                await emit_statuses(conn, org, [r["id"] for r in stopped
+                                                if r["org_id"] == org], "sleeping")
+            if inserted is not None:
+                await audit(conn, None, actor_id, "flag.global.set", "global",
+                            {"reason": reason, "sessions": len(live)})
+            return inserted is None, live
+
+        async with self.pool.acquire() as conn:  # one connection, as in kill_agent
+            was, live = await self._switch(conn, flag, "global", started)
+            report = KillReport(already_killed=was)
+            evicted = await self._stop_sessions(conn, "global", live, [], started, report)
+        await self._await_stopped(live, evicted, report)
+        metrics.kills.labels("global", "already" if was else "killed").inc()
+        return report
+
+    async def clear_global_stop(self, actor_id: UUID | None, reason: str) -> ResumeReport:
+        """Clear the global flag and wake at once every agent with open work that may run."""
+        async with transaction(self.pool) as conn:
+            cleared = await conn.fetchval(
+                "DELETE FROM kill_flags WHERE scope='global' RETURNING id")
+            if cleared is not None:
+                await audit(conn, None, actor_id, "flag.global.clear", "global",
+                            {"reason": reason})
+        with_work = [r["id"] for r in await self.pool.fetch(
+            "SELECT DISTINCT a.id FROM agents a JOIN organizations o ON o.id=a.org_id"
+            f" JOIN backlog_tasks t ON t.agent_id=a.id WHERE t.state='open' AND {MAY_RUN}")]
+        report = ResumeReport(changed=cleared is not None)
+        report.agents_woken = await self.wake_many(with_work, "resume")
+        return report
+
+    async def stop_tool(self, org_id: UUID, agent_id: UUID | None, tool: str,
+                        actor_id: UUID | None, reason: str) -> bool:
+        """Stop one tool for one agent or the whole organisation. Returns whether the flag
+        is new. The daemons hear it in their next lease, sent at once by every replica."""
+        async with transaction(self.pool) as conn:
+            inserted = await conn.fetchval(
+                "INSERT INTO kill_flags (id, scope, org_id, agent_id, tool, reason, set_by)"
+                " VALUES ($1, 'tool', $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING RETURNING id",
+                uuid4(), org_id, agent_id, tool, reason, actor_id)
+            if inserted is not None:
+                await audit(conn, org_id, actor_id, "flag.tool.set",
+                            f"tool:{tool}" + (f"@{agent_id}" if agent_id else ""),
+                            {"reason": reason, "tool": tool,
+                             "agent_id": str(agent_id) if agent_id else None})
+                await conn.execute("SELECT pg_notify('covey_leases', '')")
+        return inserted is not None
+
+    async def clear_tool_stop(self, org_id: UUID, agent_id: UUID | None, tool: str,
+                              actor_id: UUID | None, reason: str) -> bool:
+        async with transaction(self.pool) as conn:
+            cleared = await conn.fetchval(
+                "DELETE FROM kill_flags WHERE scope='tool' AND org_id=$1 AND tool=$3"
+                " AND agent_id IS NOT DISTINCT FROM $2 RETURNING id", org_id, agent_id, tool)
+            if cleared is not None:
+                await audit(conn, org_id, actor_id, "flag.tool.clear",
+                            f"tool:{tool}" + (f"@{agent_id}" if agent_id else ""),
+                            {"reason": reason, "tool": tool,
+                             "agent_id": str(agent_id) if agent_id else None})
+                await conn.execute("SELECT pg_notify('covey_leases', '')")
+        return cleared is not None
+
     # ---------------------------------------------------------------- scheduler
 
     async def tick(self) -> None:
@@ -803,11 +908,11 @@ class Orchestrator:
             # The UPDATE re-checks "due" under the row lock, so two replicas never fire the
             # same heartbeat twice.
             fired = await conn.fetch(
-                """
+                f"""
                 WITH due AS (
                     UPDATE agent_heartbeats h SET last_fired_at=now()
                     FROM agents a JOIN organizations o ON o.id=a.org_id
-                    WHERE h.agent_id=a.id AND NOT a.killed AND NOT o.fleet_killed
+                    WHERE h.agent_id=a.id AND {MAY_RUN}
                       AND (h.last_fired_at IS NULL
                            OR h.last_fired_at + make_interval(
                                   secs => GREATEST(h.every_seconds, $1)) <= now())
@@ -840,11 +945,11 @@ class Orchestrator:
         for s in stale:
             await self.session_lost(s["id"], "daemon silent past its timeout")
         waiting = await self.pool.fetch(
-            """
+            f"""
             SELECT DISTINCT a.id FROM agents a
             JOIN organizations o ON o.id=a.org_id
             JOIN backlog_tasks t ON t.agent_id=a.id AND t.state='open'
-            WHERE NOT a.killed AND NOT o.fleet_killed
+            WHERE {MAY_RUN}
               AND NOT EXISTS (SELECT 1 FROM sessions s WHERE s.agent_id=a.id
                               AND s.state IN ('starting','running'))
             """
@@ -855,27 +960,33 @@ class Orchestrator:
         if self.runner is not None:
             await self.runner.maintain_parked()
 
-    async def renew_leases(self) -> None:
-        """Renew the lease of every daemon connected here whose agent may still run.
+    async def renew_leases(self, session_ids: list[UUID] | None = None) -> None:
+        """Renew the lease of every daemon connected here (or of these) whose agent may
+        still run, with the tool scopes stopped for it: the guard refuses those tools.
 
         A daemon whose lease is not renewed stops by itself: if this query fails (database
         unreachable) no lease goes out, and the fleet fails closed.
         """
-        ids = self.hub.session_ids()
+        ids = self.hub.session_ids() if session_ids is None else session_ids
         if not ids:
             return
         rows = await self.pool.fetch(
-            """
+            f"""
             UPDATE sessions s SET last_seen_at=now()
             FROM agents a JOIN organizations o ON o.id=a.org_id
             WHERE s.id = ANY($1::uuid[]) AND s.agent_id=a.id
-              AND s.state IN ('starting','running') AND NOT a.killed AND NOT o.fleet_killed
-            RETURNING s.id
+              AND s.state IN ('starting','running') AND {MAY_RUN}
+            RETURNING s.id, ARRAY(
+                SELECT DISTINCT 'tool:' || f.tool FROM kill_flags f
+                WHERE f.scope='tool' AND f.org_id=a.org_id
+                  AND (f.agent_id IS NULL OR f.agent_id=a.id) ORDER BY 1) AS stopped
             """,
             ids,
         )
-        payload = {"ttl_ms": self.settings.lease_ms}
-        await asyncio.gather(*(self.hub.send(r["id"], "lease", payload) for r in rows))
+        await asyncio.gather(*(
+            self.hub.send(r["id"], "lease", {"ttl_ms": self.settings.lease_ms,
+                                             "stopped": list(r["stopped"])})
+            for r in rows))
 
     def spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)

@@ -18,6 +18,7 @@ from covey.guard import (
     LoopDetector,
     LoopTrip,
     StepLimitTrip,
+    ToolStoppedTrip,
     Trip,
     fingerprint,
 )
@@ -147,8 +148,12 @@ def test_a_tool_scoped_flag_stops_only_that_tool() -> None:
     guard.flag.stop("tool:shell")
     guard.before_step()
     guard.before_call("read_file", {"path": "a"})
-    with pytest.raises(KillFlagTrip, match="tool shell"):
+    with pytest.raises(ToolStoppedTrip, match="tool shell"):
         guard.before_call("shell", {"cmd": "ls"})
+    # A refused call is not a call: it does not count against the budget or the loop window.
+    assert guard.tool_calls == 1
+    guard.flag.renew(2.0, set())  # cleared in the next lease
+    guard.before_call("shell", {"cmd": "ls"})
 
 
 def test_an_unreachable_flag_store_fails_closed() -> None:

@@ -19,6 +19,7 @@ from covey.api.models import (
     HeartbeatIn,
     HeartbeatOut,
     KillOut,
+    ReasonIn,
     RecordingOut,
     ResumeOut,
     SandboxOut,
@@ -55,7 +56,9 @@ HeartbeatPathName = Annotated[str, Path(min_length=1, max_length=64,
 AGENT_COLUMNS = """
     a.id, a.org_id, a.slug, a.display_name, a.owner_id, a.status, a.killed, a.kill_origin,
     o.fleet_killed, a.warm_sandbox, a.budget_usd::float8 AS budget_usd, a.max_turns, a.model,
-    a.guard, a.created_at
+    a.guard, a.created_at,
+    (SELECT s.id FROM sessions s WHERE s.agent_id=a.id AND s.state IN ('starting','running')
+     ORDER BY s.started_at DESC LIMIT 1) AS running_session_id
 """
 TASK_COLUMNS = """
     id, agent_id, title, body, state, priority, origin, daemon_retries, result, created_at,
@@ -123,7 +126,7 @@ async def agent_is_stopped(conn: Connection, agent_id: UUID) -> bool:
     """Read both flags under lock: a trigger racing a kill either lands first (and the kill
     requeues what it started) or sees the flag."""
     row = await lock_agent(conn, agent_id, write=False)
-    return row is None or bool(row["killed"] or row["fleet_killed"])
+    return row is None or bool(row["stopped"])
 
 
 @router.get("", response_model=list[AgentOut])
@@ -380,19 +383,22 @@ async def sandboxes(agent_id: UUID, who: AnyRole, orch: Orch) -> list[SandboxOut
 
 
 @router.post("/{agent_id}/kill", response_model=KillOut)
-async def kill(agent_id: UUID, who: Killer, orch: Orch, request: Request) -> KillOut:
+async def kill(agent_id: UUID, who: Killer, orch: Orch, request: Request,
+               body: ReasonIn | None = None) -> KillOut:
     """The agent switch. Idempotent: a second kill changes nothing and succeeds."""
     report = await orch.kill_agent(who.org_id, agent_id, who.human_id,
-                                   started=arrived(request))
+                                   started=arrived(request), reason=body.reason if body else None)
     if report is None:
         raise not_found("agent")
     return kill_out(report)
 
 
 @router.post("/{agent_id}/resume", response_model=ResumeOut)
-async def resume(agent_id: UUID, who: Killer, orch: Orch) -> ResumeOut:
+async def resume(agent_id: UUID, who: Killer, orch: Orch, body: ReasonIn | None = None
+                 ) -> ResumeOut:
     """Clear the agent's own flag. While the fleet stop stands, the agent stays held."""
-    report = await orch.resume_agent(who.org_id, agent_id, who.human_id)
+    report = await orch.resume_agent(who.org_id, agent_id, who.human_id,
+                                     reason=body.reason if body else None)
     if report is None:
         raise not_found("agent")
     return resume_out(report)

@@ -189,7 +189,7 @@ async def _serve(orch: Orchestrator, ws: WebSocket, link: DaemonLink,
             "max_turns": session["max_turns"],
             "lease_ms": orch.settings.lease_ms,
         })
-        await send_to(link, "lease", {"ttl_ms": orch.settings.lease_ms})
+        await orch.renew_leases([link.session_id])  # with the tool scopes stopped now
         await _assign_next(orch, link)
     while True:
         text = await _receive_text(ws)

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 
 from covey.api.agents import kill_out, resume_out
 from covey.api.deps import AnyRole, Orch, Security, arrived
-from covey.api.models import FleetOut, KillOut, ResumeOut
+from covey.api.models import FleetOut, KillOut, ReasonIn, ResumeOut
 from covey.db import fetch_one
 
 router = APIRouter(prefix="/api/v1/fleet", tags=["fleet"])
@@ -19,6 +19,7 @@ async def fleet(who: AnyRole, orch: Orch) -> FleetOut:
         """
         SELECT o.id AS org_id, o.fleet_killed, o.fleet_killed_at,
                (SELECT h.email FROM humans h WHERE h.id=o.fleet_killed_by) AS fleet_killed_by,
+               o.fleet_killed_reason,
                count(a.id) AS agents,
                count(a.id) FILTER (WHERE a.killed) AS agents_killed,
                count(a.id) FILTER (WHERE a.status IN ('working','triggered')) AS agents_working
@@ -31,12 +32,16 @@ async def fleet(who: AnyRole, orch: Orch) -> FleetOut:
 
 
 @router.post("/kill", response_model=KillOut)
-async def kill_fleet(who: Security, orch: Orch, request: Request) -> KillOut:
-    """The emergency stop: every agent of the organisation, at once. Idempotent."""
-    return kill_out(await orch.kill_fleet(who.org_id, who.human_id, started=arrived(request)))
+async def kill_fleet(who: Security, orch: Orch, request: Request,
+                     body: ReasonIn | None = None) -> KillOut:
+    """The emergency stop: every agent of the organisation, at once. Idempotent. The reason
+    is optional: an emergency stop must not wait for a sentence."""
+    return kill_out(await orch.kill_fleet(who.org_id, who.human_id, started=arrived(request),
+                                          reason=body.reason if body else None))
 
 
 @router.post("/resume", response_model=ResumeOut)
-async def resume_fleet(who: Security, orch: Orch) -> ResumeOut:
+async def resume_fleet(who: Security, orch: Orch, body: ReasonIn | None = None) -> ResumeOut:
     """Release the fleet stop. Agents stopped on their own before it stay stopped."""
-    return resume_out(await orch.resume_fleet(who.org_id, who.human_id))
+    return resume_out(await orch.resume_fleet(who.org_id, who.human_id,
+                                              reason=body.reason if body else None))

@@ -172,6 +172,8 @@ class AgentOut(BaseModel):
     model: str
     guard: dict[str, Any]
     created_at: datetime
+    running_session_id: UUID | None = Field(
+        default=None, description="The agent's live session (starting or running), if any")
 
 
 class AgentCreatedOut(AgentOut):
@@ -273,6 +275,7 @@ class FleetOut(BaseModel):
     # Who pulled the standing stop (their email): a game day that finds the fleet stopped
     # must say whose stop it is before anyone releases it.
     fleet_killed_by: str | None = None
+    fleet_killed_reason: str | None = None
     agents: int
     agents_killed: int
     agents_working: int
@@ -330,3 +333,39 @@ class NotificationOut(BaseModel):
     at: datetime
 
     model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+
+
+class ReasonIn(Strict):
+    """Why: kept in the audit log beside who and what."""
+
+    reason: Text | None = Field(default=None, max_length=500)
+
+
+class FlagReasonIn(Strict):
+    reason: Text = Field(min_length=1, max_length=500)
+
+
+# A tool's name as the daemon's toolbox knows it (shell, http_request, ...).
+ToolName = Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+
+class ToolFlagIn(Strict):
+    """One tool stopped for one agent (agent_id) or for the whole organisation (no agent_id)."""
+
+    tool: ToolName
+    agent_id: UUID | None = None
+    reason: Text = Field(min_length=1, max_length=500)
+
+
+class FlagOut(BaseModel):
+    scope: Literal["global", "org", "agent", "tool"]
+    org_id: UUID | None = None
+    agent_id: UUID | None = None
+    tool: str | None = None
+    reason: str | None = None
+    set_by: str | None = Field(default=None, description="Email of who set it, when known")
+    set_at: datetime | None = None
+
+
+class FlagChangeOut(BaseModel):
+    changed: bool = Field(description="False when the flag already stood (or was already clear)")

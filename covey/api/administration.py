@@ -1,0 +1,219 @@
+"""GET /administration: where the switch lives, for the humans who may pull it.
+
+Server-rendered (Jinja2), one small script served by the app itself, so that the page's
+content security policy can forbid every inline script. Form posts carry a CSRF token bound
+to the session (the session cookie is HttpOnly and SameSite=Strict as well); a role that may
+not act sees no button and gets a 403 if it posts anyway. Every action goes through the same
+orchestrator calls as the API, so it lands in the audit log with who, what and why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qs
+from uuid import UUID
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from jinja2 import Environment, PackageLoader, select_autoescape
+
+from covey.api.agents import AGENT_COLUMNS
+from covey.api.auth import SESSION_HOURS
+from covey.api.deps import KILLERS, SECURITY, SESSION_COOKIE, Principal, current_principal
+from covey.errors import ApiError
+from covey.orchestrator import Orchestrator
+from covey.security import hash_password, new_token, token_hash, verify_password
+
+router = APIRouter(prefix="/administration", include_in_schema=False)
+LOGIN_CSRF_COOKIE = "covey_login_csrf"
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self';"
+       " img-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
+_templates = Environment(loader=PackageLoader("covey", "templates"),
+                         autoescape=select_autoescape(["html"]))
+STATIC = {"admin.js": "text/javascript", "admin.css": "text/css"}
+# A fixed hash to verify against when the email is unknown: the answer takes as long.
+_NOBODY = hash_password(secrets.token_urlsafe(16))
+
+
+def csrf_token(session_token: str) -> str:
+    """Bound to the session: a page of another session, or no page at all, has no token."""
+    return hashlib.sha256(f"csrf:{session_token}".encode()).hexdigest()
+
+
+def _page(html: str, status: int = 200) -> HTMLResponse:
+    return HTMLResponse(html, status, headers={
+        "Content-Security-Policy": CSP, "X-Frame-Options": "DENY",
+        "Cache-Control": "no-store", "Referrer-Policy": "same-origin",
+        "X-Content-Type-Options": "nosniff"})
+
+
+def _refusal(status: int, error: str, hint: str, request: Request) -> Response:
+    if "application/json" in request.headers.get("accept", ""):
+        return JSONResponse({"error": error, "hint": hint}, status)
+    return _page(_templates.get_template("refused.html").render(error=error, hint=hint), status)
+
+
+async def _form(request: Request) -> dict[str, str]:
+    fields = parse_qs((await request.body()).decode("utf-8", "replace"), max_num_fields=20)
+    return {k: v[0] for k, v in fields.items() if v and "\x00" not in v[0]}
+
+
+async def _who(request: Request) -> Principal | None:
+    try:
+        return await current_principal(request, request.app.state.orchestrator)
+    except ApiError:
+        return None
+
+
+@router.get("", response_class=HTMLResponse)
+async def administration(request: Request) -> Response:
+    orch: Orchestrator = request.app.state.orchestrator
+    who = await _who(request)
+    if who is None or request.cookies.get(SESSION_COOKIE) is None:
+        token = secrets.token_urlsafe(24)
+        page = _page(_templates.get_template("login.html").render(csrf=token,
+                                                                  failed="failed" in
+                                                                  request.query_params))
+        page.set_cookie(LOGIN_CSRF_COOKIE, token, httponly=True, samesite="strict",
+                        path="/administration")
+        return page
+    fleet = await orch.pool.fetchrow(
+        "SELECT o.name, o.fleet_killed, o.fleet_killed_at, o.fleet_killed_reason,"
+        " (SELECT email FROM humans WHERE id=o.fleet_killed_by) AS fleet_killed_by,"
+        " EXISTS (SELECT 1 FROM kill_flags WHERE scope='global') AS global_stop"
+        " FROM organizations o WHERE o.id=$1", who.org_id)
+    agents = await orch.pool.fetch(
+        f"SELECT {AGENT_COLUMNS} FROM agents a JOIN organizations o ON o.id=a.org_id"
+        " WHERE a.org_id=$1 ORDER BY a.slug", who.org_id)
+    tools = await orch.pool.fetch(
+        "SELECT tool, agent_id, reason FROM kill_flags WHERE scope='tool' AND org_id=$1"
+        " ORDER BY tool", who.org_id)
+    html = _templates.get_template("administration.html").render(
+        who=who, fleet=fleet, agents=agents, tools=tools,
+        csrf=csrf_token(request.cookies[SESSION_COOKIE]),
+        may_pull_fleet=who.role in SECURITY, may_kill=who.role in KILLERS)
+    return _page(html)
+
+
+@router.post("/login")
+async def login(request: Request) -> Response:
+    orch: Orchestrator = request.app.state.orchestrator
+    form = await _form(request)
+    expected = request.cookies.get(LOGIN_CSRF_COOKIE, "")
+    if not expected or not hmac.compare_digest(form.get("csrf", ""), expected):
+        return _refusal(403, "The sign-in form has expired",
+                        "Open /administration again and sign in from there.", request)
+    row = await orch.pool.fetchrow(
+        "SELECT id, password_hash FROM humans WHERE email=$1", form.get("email", "").lower())
+    if not verify_password(row["password_hash"] if row else _NOBODY, form.get("password", "")) \
+            or row is None:
+        return RedirectResponse("/administration?failed=1", 303)
+    token = new_token("cvs")
+    await orch.pool.execute(
+        "INSERT INTO web_sessions (token_hash, human_id, expires_at)"
+        " VALUES ($1, $2, now() + make_interval(hours => $3))",
+        token_hash(token), row["id"], SESSION_HOURS)
+    response = RedirectResponse("/administration", 303)
+    response.set_cookie(SESSION_COOKIE, token, httponly=True, samesite="strict",
+                        max_age=SESSION_HOURS * 3600)
+    response.delete_cookie(LOGIN_CSRF_COOKIE, path="/administration")
+    return response
+
+
+async def _acting(request: Request, roles: tuple[str, ...]
+                  ) -> tuple[Principal, dict[str, str]] | Response:
+    """The caller, if signed in with a session, holding the page's CSRF token and a role
+    that may do this; else the refusal to send."""
+    who = await _who(request)
+    session = request.cookies.get(SESSION_COOKIE)
+    if who is None or session is None:
+        return _refusal(401, "Not signed in", "Sign in on /administration first.", request)
+    form = await _form(request)
+    if not hmac.compare_digest(form.get("csrf", ""), csrf_token(session)):
+        return _refusal(403, "Missing or wrong CSRF token",
+                        "Act from the /administration page itself; reload it first.", request)
+    if who.role not in roles:
+        return _refusal(403, "Your role may not do this",
+                        f"Allowed roles: {', '.join(roles)}; you are {who.role}.", request)
+    return who, form
+
+
+def _done(request: Request, result: dict[str, Any]) -> Response:
+    if "application/json" in request.headers.get("accept", ""):
+        return JSONResponse(result)
+    return RedirectResponse("/administration", 303)
+
+
+def _reason(form: dict[str, str]) -> str | None:
+    return form.get("reason", "").strip()[:500] or None
+
+
+@router.post("/fleet/kill")
+async def kill_fleet(request: Request) -> Response:
+    acting = await _acting(request, SECURITY)
+    if isinstance(acting, Response):
+        return acting
+    who, form = acting
+    report = await request.app.state.orchestrator.kill_fleet(
+        who.org_id, who.human_id, reason=_reason(form))
+    return _done(request, {"fleet_killed": True, "agents_stopped": len(report.agents)})
+
+
+@router.post("/fleet/resume")
+async def resume_fleet(request: Request) -> Response:
+    acting = await _acting(request, SECURITY)
+    if isinstance(acting, Response):
+        return acting
+    who, form = acting
+    report = await request.app.state.orchestrator.resume_fleet(
+        who.org_id, who.human_id, reason=_reason(form))
+    return _done(request, {"fleet_killed": False, "agents_woken": len(report.agents_woken)})
+
+
+@router.post("/agents/{agent_id}/{action}")
+async def agent_switch(agent_id: str, action: str, request: Request) -> Response:
+    acting = await _acting(request, KILLERS)
+    if isinstance(acting, Response):
+        return acting
+    who, form = acting
+    orch: Orchestrator = request.app.state.orchestrator
+    try:
+        target = UUID(agent_id)
+    except ValueError:
+        target = None
+    if target is None or action not in ("kill", "resume"):
+        return _refusal(404, "No such agent or action", "Use the page's buttons.", request)
+    if action == "kill":
+        found: object = await orch.kill_agent(who.org_id, target, who.human_id,
+                                              reason=_reason(form))
+    else:
+        found = await orch.resume_agent(who.org_id, target, who.human_id, reason=_reason(form))
+    if found is None:
+        return _refusal(404, "No such agent", "It may have been removed; reload.", request)
+    return _done(request, {"agent_id": agent_id, "action": action})
+
+
+@router.post("/logout")
+async def logout(request: Request) -> Response:
+    acting = await _acting(request, (*KILLERS, "auditor", "controlling", "platform_admin"))
+    if isinstance(acting, Response):
+        return acting
+    who, _ = acting
+    await request.app.state.orchestrator.pool.execute(
+        "DELETE FROM web_sessions WHERE human_id=$1", who.human_id)
+    response = RedirectResponse("/administration", 303)
+    response.delete_cookie(SESSION_COOKIE)
+    return response
+
+
+@router.get("/static/{name}")
+async def static(name: str) -> Response:
+    if name not in STATIC:
+        return JSONResponse({"error": "Not found", "hint": "No such file."}, 404)
+    body = resources.files("covey").joinpath("static", name).read_bytes()
+    return Response(body, media_type=STATIC[name], headers={"Cache-Control": "no-cache",
+                                                            "X-Content-Type-Options": "nosniff"})

@@ -1,0 +1,83 @@
+"""A real headless Chromium (Debian's chromium and chromium-driver, driven by Selenium 4)
+for tests and game days that use the control plane's pages as a human would.
+
+Selenium blocks: call it from a thread (`asyncio.to_thread`) when the control plane under
+test shares the event loop. Without Chromium a test skips, or fails under
+COVEY_REQUIRE_BROWSER=1 (CI, where a skipped browser test would hide a broken page).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+
+
+def screenshot_dir() -> Path:
+    folder = Path(os.environ.get("COVEY_SCREENSHOT_DIR", "reports"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def require_chromium() -> None:
+    if shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER):
+        return
+    if os.environ.get("COVEY_REQUIRE_BROWSER") == "1":
+        pytest.fail("COVEY_REQUIRE_BROWSER=1 but Debian's chromium and chromium-driver "
+                    "are not installed (apt-get install -y chromium chromium-driver)")
+    pytest.skip("no Chromium here: apt-get install -y chromium chromium-driver")
+
+
+@contextmanager
+def chromium(window: str = "1300,1600") -> Iterator[Any]:
+    """A headless Chromium; Selenium Manager downloads nothing (it would fail here)."""
+    require_chromium()
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--no-first-run", f"--window-size={window}"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def click(driver: Any, element_id: str, timeout_s: float = 10) -> None:
+    """Click once the element can take it (shown by the page's script, not covered)."""
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.wait import WebDriverWait
+
+    WebDriverWait(driver, timeout_s).until(
+        expected_conditions.element_to_be_clickable(("id", element_id)),
+        f"#{element_id} never became clickable").click()
+
+
+def sign_in(driver: Any, base_url: str, email: str, password: str) -> None:
+    """Sign in through /administration's own form, as a human would."""
+    driver.get(f"{base_url}/administration")
+    driver.find_element("id", "email").send_keys(email)
+    driver.find_element("id", "password").send_keys(password)
+    click(driver, "sign-in")
+    driver.find_element("id", "who")  # the signed-in page (implicit wait)
+
+
+def pull_fleet_switch(driver: Any, reason: str) -> None:
+    """The red button, then the confirmation with a reason."""
+    click(driver, "fleet-kill")
+    click(driver, "fleet-reason")
+    driver.find_element("id", "fleet-reason").send_keys(reason)
+    click(driver, "fleet-confirm")

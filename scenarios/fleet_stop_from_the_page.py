@@ -1,0 +1,92 @@
+"""The on-call engineer who has to find the switch: while agents work, they open
+/administration in a real browser, press the red button, say why, and watch the fleet stop.
+
+    pytest scenarios/fleet_stop_from_the_page.py [--stack processes|containers|target]
+
+Judged by the same checkers as fleet_stop. The operation's acknowledgement is the moment
+the page shows the switch's answer (what the engineer sees); the time from the click to the
+last daemon's exit goes into the journal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import datetime
+from typing import Any
+
+import pytest
+
+from harness.browser import chromium, click, pull_fleet_switch, require_chromium, sign_in
+from harness.client import json_of
+from harness.gameday import GameDay
+from harness.waiting import eventually
+
+BEHAVIOURS = ("slow_writer", "silent", "well_behaved")
+
+
+@pytest.mark.decides("no_action_after_kill_ack", "each_task_done_once_after_resume",
+                     "no_wake_of_stopped_agent", "every_fault_healed", "kill_obeyed")
+async def test_fleet_stop_from_the_page(gameday: GameDay, agents_per_game_day: int) -> None:
+    require_chromium()
+    day = gameday
+    email, password = f"on-call.{day.run_id}@{day.fake.domain_word()}.test", "on-call pager 7"
+    json_of(await day.people["org_admin"].add_member(email, password, "security"), 201)
+    async with day.journaled():
+        agents = [await day.agent(BEHAVIOURS[i % 3]) for i in range(agents_per_game_day)]
+        for a in agents:
+            await day.task(a["id"])
+
+        async def working() -> bool:
+            held = {t["agent_id"] for t in (await day.read_tasks()).values()
+                    if t["state"] == "in_progress"}
+            # The agents that never stop on their own are at work (a slow writer may already
+            # be done when the last container starts).
+            return all(a["id"] in held for a in agents if a["behaviour"] == "silent")
+        await eventually(working, 120, "no steady state: agents not working",
+                         impossible=day.why_work_cannot_finish)
+        with chromium() as page:
+            page.implicitly_wait(10)
+            await asyncio.to_thread(sign_in, page, day.endpoints.url, email, password)
+
+            async def on_the_page(press: Any, *args: Any) -> Any:
+                """Press, then wait until the page shows the switch's answer."""
+                await asyncio.to_thread(page.execute_script,
+                                        "document.getElementById('message').textContent=''")
+                await asyncio.to_thread(press, page, *args)
+
+                async def answered() -> str | None:
+                    text: str = await asyncio.to_thread(
+                        lambda: page.find_element("id", "message").text)
+                    return text if text not in ("", "Sending…") else None
+                said = await eventually(answered, 30, "the page never showed the answer")
+                assert said == "Done.", f"the page refused the switch: {said}"
+                return await day.people["auditor"].fleet()
+            clicked_ns = time.time_ns()
+            r = await day.operate("security", "kill_fleet", {}, lambda: on_the_page(
+                pull_fleet_switch, "game day: agents out of hand"))
+            assert json_of(r)["fleet_killed"], "the red button did not stop the fleet"
+            await day.read_tasks()  # right after the kill's ok: what it requeued
+
+            async def all_gone() -> list[dict[str, Any]] | None:
+                boxes = [s for a in agents for s in await day.sandboxes(a["id"])]
+                live = [s for s in boxes if s["state"] in ("starting", "running")]
+                return None if live else boxes
+            boxes = await eventually(all_gone, 60, "a sandbox kept running after the stop")
+            exits = [datetime.fromisoformat(s["ended_at"]).timestamp() * 1e9 for s in boxes
+                     if s["ended_at"] and s["exit_code"] == 3]
+            assert exits, "no daemon exited with code 3 after the red button"
+            click_to_exit_ms = round((max(exits) - clicked_ns) / 1e6, 1)
+            day.journal_sections["page_stop"] = {
+                "click_to_last_daemon_exit_ms": click_to_exit_ms, "daemons_stopped": len(exits)}
+            day.notes.append(f"red button to the last daemon's exit: {click_to_exit_ms} ms")
+            for a in agents:
+                await day.endpoints.puppet.assign(a["id"], "well_behaved")
+            r = await day.operate("security", "resume_fleet", {},
+                                  lambda: on_the_page(click, "fleet-resume"))
+            assert not json_of(r)["fleet_killed"], "resume from the page left the fleet stopped"
+
+        async def all_done() -> bool:
+            return all(t["state"] == "done" for t in (await day.read_tasks()).values())
+        await eventually(all_done, 120, "tasks left undone after the resume from the page",
+                         impossible=day.why_work_cannot_finish)
