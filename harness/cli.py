@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import tempfile
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -214,10 +215,13 @@ async def _load(stack: Stack, plan: LoadPlan, agents: int, report_dir: Path) -> 
             status.update(f"{agents} agents getting to work")
             fleet = await prepare_fleet(endpoints, agents)
             if plan.master_workers:
-                worker_env = report_dir / "load-worker.env"
-                worker_env.write_text("".join(f"{k}={v}\n" for k, v in
-                                              load_environment(fleet, plan).items()))
-                worker_env.chmod(0o600)
+                # API tokens: never among the reports (CI keeps those as artifacts), and
+                # readable by this user only from the moment the file exists.
+                fd, name = tempfile.mkstemp(prefix="covey-load-worker-", suffix=".env")
+                worker_env = Path(name)
+                with os.fdopen(fd, "w") as out:
+                    out.write("".join(f"{k}={v}\n" for k, v in
+                                      load_environment(fleet, plan).items()))
                 console.print(f"waiting for {plan.master_workers} worker(s): on each, with "
                               f"the variables of {worker_env}, run `locust -f "
                               "harness/load/locustfile.py --worker --master-host THIS_HOST`")

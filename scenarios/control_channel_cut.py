@@ -49,9 +49,14 @@ async def test_control_channel_cut(gameday: GameDay, agents_per_game_day: int) -
                                  "control channel cut: the kill flag did not fail closed")
         assert codes == dict.fromkeys(running, 3), (
             f"daemons cut off from their kill flag did not all fail closed (exit 3): {codes}")
-        day.notes.append(f"all {len(agents)} daemons had exited 3 within "
-                         f"{(time.time_ns() - cut.started_ns) / 1e9:.2f} s of the cut "
-                         f"(lease {lease_s} s)")
+        stopped_s = (time.time_ns() - cut.started_ns) / 1e9
+        day.notes.append(f"all {len(agents)} daemons had exited 3 within {stopped_s:.2f} s of "
+                         f"the cut (lease {lease_s} s)")
+        # Seen by polling the API, so with a margin for a loaded machine; a daemon that ran on
+        # for several leases without its flag is what this must catch.
+        assert stopped_s <= lease_s + 3, (
+            f"the daemons failed closed only {stopped_s:.2f} s after the cut, more than their "
+            f"{lease_s} s lease (+3 s) allows")
 
         # The fault heals itself at its deadline; the agents come back to work on their own
         # (their tasks were requeued when their daemons were lost).

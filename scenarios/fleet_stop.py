@@ -68,7 +68,7 @@ async def test_fleet_stop(gameday: GameDay, agents_per_game_day: int) -> None:
         assert cancelled, "the fleet stop found no session to stop"
         assert set(report["sessions_confirmed"]) == cancelled, (
             "the fleet stop answered before every daemon had the kill in hand")
-        unacked = cancelled - set(report.get("sessions_acknowledged", cancelled))
+        unacked = cancelled - set(report["sessions_acknowledged"])
         assert not unacked, f"daemons that did not acknowledge the kill before answering: {unacked}"
         sessions = {a["id"]: json_of(await auditor.sessions(a["id"])) for a in agents}
         boxes = {s["sandbox_id"] for ss in sessions.values() for s in ss if s["id"] in cancelled}

@@ -464,3 +464,17 @@ async def test_openapi_document_tells_the_truth(world: World) -> None:
     r = await world.org_admin.post(f"/api/v1/agents/{agent['id']}/tasks", json={
         "title": "t" * task["title"]["maxLength"], "body": "x" * task["body"]["maxLength"]})
     assert r.status_code == 201, "the longest task the document allows was refused"
+
+
+async def test_a_page_form_with_too_many_fields_is_refused_not_a_500(world: World) -> None:
+    """No sign-in is needed to post to the page's sign-in form: a flood of fields must be a
+    clear refusal, never a server error."""
+    before = await world.snapshot()
+    form = "&".join(f"f{i}=x" for i in range(30))
+    # Every form of the page is read by the same function; the sign-in form is the one that
+    # anyone may post to.
+    r = await world.anonymous.post("/administration/login", content=form, headers={
+        "content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400, (r.status_code, r.text[:200])
+    assert r.json()["error"] == "Too many form fields"
+    assert await world.snapshot() == before

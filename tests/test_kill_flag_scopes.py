@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -210,4 +209,3 @@ async def test_a_tool_flag_stops_shell_for_one_agent_while_its_other_tools_go_on
         "SELECT action, detail FROM audit_log WHERE action LIKE 'flag.tool.%' ORDER BY id")]
     assert audit == [("flag.tool.set", "shell is deleting files"),
                      ("flag.tool.clear", "fixed the prompt")]
-    assert time.time_ns() > ack_ns

@@ -9,6 +9,7 @@ orchestrator calls as the API, so it lands in the audit log with who, what and w
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import secrets
@@ -58,7 +59,12 @@ def _refusal(status: int, error: str, hint: str, request: Request) -> Response:
 
 
 async def _form(request: Request) -> dict[str, str]:
-    fields = parse_qs((await request.body()).decode("utf-8", "replace"), max_num_fields=20)
+    try:
+        fields = parse_qs((await request.body()).decode("utf-8", "replace"),
+                          max_num_fields=20)
+    except ValueError:  # more fields than any form of the page has: not from the page
+        raise ApiError(400, "Too many form fields",
+                       "The page's forms have a few fields each; post one of them.") from None
     return {k: v[0] for k, v in fields.items() if v and "\x00" not in v[0]}
 
 
@@ -109,8 +115,10 @@ async def login(request: Request) -> Response:
                         "Open /administration again and sign in from there.", request)
     row = await orch.pool.fetchrow(
         "SELECT id, password_hash FROM humans WHERE email=$1", form.get("email", "").lower())
-    if not verify_password(row["password_hash"] if row else _NOBODY, form.get("password", "")) \
-            or row is None:
+    # Argon2 takes tens of milliseconds of CPU: off the event loop, which renews leases and
+    # answers kills meanwhile.
+    if not await asyncio.to_thread(verify_password, row["password_hash"] if row else _NOBODY,
+                                   form.get("password", "")) or row is None:
         return RedirectResponse("/administration?failed=1", 303)
     token = new_token("cvs")
     await orch.pool.execute(

@@ -141,7 +141,6 @@ class Killer(CoveyUser):
             return
         agent = random.choice(working)
         path = f"/api/v1/agents/{agent['id']}"
-        held = {t["id"] for t in self._json(f"{path}/backlog", {"state": "in_progress"})}
         invoked_ns = time.time_ns()
         r = self.client.post(f"{path}/kill", name="/api/v1/agents/[id]/kill")
         acknowledged_ns = time.time_ns()
@@ -162,10 +161,11 @@ class Killer(CoveyUser):
         try:
             self._fire(ACKNOWLEDGED, sample["acknowledged_ns"])
             exited, opened = self._stopped(path, report["sessions_cancelled"],
-                                           held | set(report["tasks_requeued"]), invoked_ns)
+                                           set(report["tasks_requeued"]), invoked_ns)
             sample.update(daemon_exited_ns=exited[0], exit_codes=exited[1],
                           task_open_ns=opened)
-            self._fire(TASK_OPEN, opened)
+            if opened is not None:  # None: the kill found no work in progress
+                self._fire(TASK_OPEN, opened)
             acted = self._actions_after(agent["id"], acknowledged_ns)
             if acted:
                 # Which daemons the answer said had the kill in hand tells a daemon that
@@ -190,7 +190,7 @@ class Killer(CoveyUser):
     # ------------------------------------------------------------------ the measurements
 
     def _stopped(self, path: str, sessions: list[str], held: set[str], invoked_ns: int
-                 ) -> tuple[tuple[int, list[int]], int]:
+                 ) -> tuple[tuple[int, list[int]], int | None]:
         """Poll until the cancelled sessions' daemons have exited and the held tasks are open
         again, then time both on the control plane's own clock (the same machine's: load
         goes to 127.0.0.1 only): the sandboxes' `ended_at`, the tasks' transitions to open.
@@ -223,7 +223,7 @@ class Killer(CoveyUser):
         self._fire(DAEMON_EXITED, exited_ns, failure)
         if failure is not None:
             raise failure
-        opened_ns = 0
+        opened_ns: int | None = None
         for task_id in held:
             detail = self.client.get(f"{path}/tasks/{task_id}",
                                      name="/api/v1/agents/[id]/tasks/[id]").json()
@@ -231,7 +231,7 @@ class Killer(CoveyUser):
                         if t["to_state"] == "open" and _ns(t["at"]) >= invoked_ns]
             if not reopened:
                 raise KillFailed(f"task {task_id} shows no transition back to open")
-            opened_ns = max(opened_ns, min(reopened) - invoked_ns)
+            opened_ns = max(opened_ns or 0, min(reopened) - invoked_ns)
         return (exited_ns, codes), opened_ns
 
     def _actions_after(self, agent_id: str, acknowledged_ns: int) -> list[int]:
