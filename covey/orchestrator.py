@@ -879,11 +879,8 @@ class Orchestrator:
                 " VALUES ($1, 'tool', $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING RETURNING id",
                 uuid4(), org_id, agent_id, tool, reason, actor_id)
             if inserted is not None:
-                await audit(conn, org_id, actor_id, "flag.tool.set",
-                            f"tool:{tool}" + (f"@{agent_id}" if agent_id else ""),
-                            {"reason": reason, "tool": tool,
-                             "agent_id": str(agent_id) if agent_id else None})
-                await conn.execute("SELECT pg_notify('covey_leases', '')")
+                await _tool_flag_changed(conn, "flag.tool.set", org_id, agent_id, tool,
+                                         actor_id, reason)
         return inserted is not None
 
     async def clear_tool_stop(self, org_id: UUID, agent_id: UUID | None, tool: str,
@@ -893,11 +890,8 @@ class Orchestrator:
                 "DELETE FROM kill_flags WHERE scope='tool' AND org_id=$1 AND tool=$3"
                 " AND agent_id IS NOT DISTINCT FROM $2 RETURNING id", org_id, agent_id, tool)
             if cleared is not None:
-                await audit(conn, org_id, actor_id, "flag.tool.clear",
-                            f"tool:{tool}" + (f"@{agent_id}" if agent_id else ""),
-                            {"reason": reason, "tool": tool,
-                             "agent_id": str(agent_id) if agent_id else None})
-                await conn.execute("SELECT pg_notify('covey_leases', '')")
+                await _tool_flag_changed(conn, "flag.tool.clear", org_id, agent_id, tool,
+                                         actor_id, reason)
         return cleared is not None
 
     # ---------------------------------------------------------------- scheduler
@@ -997,3 +991,15 @@ class Orchestrator:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("background step failed", error=repr(task.exception()))
+
+
+async def _tool_flag_changed(conn: Connection, action: str, org_id: UUID,
+                             agent_id: UUID | None, tool: str, actor_id: UUID | None,
+                             reason: str) -> None:
+    """A tool flag set or cleared: in the audit log, and pushed to every replica's daemons
+    in their next lease at once."""
+    await audit(conn, org_id, actor_id, action,
+                f"tool:{tool}" + (f"@{agent_id}" if agent_id else ""),
+                {"reason": reason, "tool": tool,
+                 "agent_id": str(agent_id) if agent_id else None})
+    await conn.execute("SELECT pg_notify('covey_leases', '')")

@@ -283,27 +283,28 @@ def pytest_configure(config: pytest.Config) -> None:
                    f"({', '.join(MEASURES)})")
 
 
-def required_checkers(node: pytest.Item | pytest.Collector) -> frozenset[str]:
-    """The checkers a game day's `decides` markers name (module, class and function)."""
-    names = {str(name) for mark in node.iter_markers(DECIDES) for name in mark.args}
+def marked_checkers(node: pytest.Item | pytest.Collector, mark_name: str) -> frozenset[str]:
+    """The checker names a game day's `mark_name` markers give (module, class and
+    function); a name that is no checker is a usage error."""
+    names = {str(name) for mark in node.iter_markers(mark_name) for name in mark.args}
     unknown = names - KNOWN_CHECKERS
     if unknown:
-        raise pytest.UsageError(f"{node.nodeid}: @pytest.mark.{DECIDES} names no checker "
+        raise pytest.UsageError(f"{node.nodeid}: @pytest.mark.{mark_name} names no checker "
                                 f"{', '.join(sorted(unknown))}; checkers: "
                                 f"{', '.join(sorted(KNOWN_CHECKERS))}")
     return frozenset(names)
+
+
+def required_checkers(node: pytest.Item | pytest.Collector) -> frozenset[str]:
+    """The checkers a game day's `decides` markers name."""
+    return marked_checkers(node, DECIDES)
 
 
 def chosen_checkers(node: pytest.Item | pytest.Collector, required: frozenset[str]
                     ) -> tuple[Checker, ...]:
     """The checkers of a game day's `checkers` markers and those it decides, in the
     catalogue's order; the default set when it names none."""
-    names = {str(n) for mark in node.iter_markers(CHECKERS_MARK) for n in mark.args}
-    unknown = names - KNOWN_CHECKERS
-    if unknown:
-        raise pytest.UsageError(f"{node.nodeid}: @pytest.mark.{CHECKERS_MARK} names no checker "
-                                f"{', '.join(sorted(unknown))}; checkers: "
-                                f"{', '.join(sorted(KNOWN_CHECKERS))}")
+    names = marked_checkers(node, CHECKERS_MARK)
     if not names:
         return tuple(dict.fromkeys([*CHECKERS, *(c for c in ALL_CHECKERS
                                                   if c.__name__ in required)]))

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import websockets
 
-from tests.support.plane import World
+from tests.support.plane import World, platform_admin_client
 
 
 def _is_error(body: Any) -> bool:
@@ -181,23 +181,6 @@ async def test_openapi_document_is_served_and_names_the_switches(world: World) -
 NUL = "a\u0000b"
 
 
-async def _platform_admin(world: World) -> Any:
-    """A platform admin's client (the world has org roles only)."""
-    import httpx
-
-    from covey.security import hash_password, new_token, token_hash
-
-    human_id, token = uuid.uuid4(), new_token("cvt")
-    await world.db.execute(
-        "INSERT INTO humans (id, org_id, email, password_hash, role)"
-        " VALUES ($1, $2, 'platform@acme.test', $3, 'platform_admin')",
-        human_id, world.org.id, hash_password("correct horse battery"))
-    await world.db.execute("INSERT INTO api_tokens (token_hash, human_id, name)"
-                           " VALUES ($1, $2, 'tests')", token_hash(token), human_id)
-    return httpx.AsyncClient(base_url=world.plane.url, timeout=30,
-                             headers={"Authorization": f"Bearer {token}"})
-
-
 async def test_nul_is_refused_everywhere_with_a_hint(world: World) -> None:
     """Postgres refuses NUL in text: each of these was a 500. Now each is a 422 that names the
     field, and nothing is written."""
@@ -207,7 +190,7 @@ async def test_nul_is_refused_everywhere_with_a_hint(world: World) -> None:
     await world.db.execute(
         "INSERT INTO agent_heartbeats (agent_id, name, task_body, every_seconds, last_fired_at)"
         " VALUES ($1, 'hourly', 'x', 3600, now())", uuid.UUID(aid))
-    platform = await _platform_admin(world)
+    platform = await platform_admin_client(world)
     before = await world.snapshot()
     cases: list[tuple[Any, str, str, Any]] = [
         (world.org_admin, "POST", f"/api/v1/agents/{aid}/tasks", {"title": NUL}),

@@ -12,29 +12,14 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from harness import puppet as puppet_module
 from harness.puppet import Puppet, _call, _reply
 from tests.conftest import COVEYD
-from tests.support.plane import World, eventually, make_world, start_plane
+from tests.support.plane import World, eventually, make_world, platform_admin_client, start_plane
 
 REFUSED = "kill flag set for tool shell"
-
-
-async def _platform_admin(world: World) -> httpx.AsyncClient:
-    from covey.security import hash_password, new_token, token_hash
-
-    human_id, token = uuid.uuid4(), new_token("cvt")
-    await world.db.execute(
-        "INSERT INTO humans (id, org_id, email, password_hash, role)"
-        " VALUES ($1, $2, 'platform@acme.test', $3, 'platform_admin')",
-        human_id, world.org.id, hash_password("correct horse battery"))
-    await world.db.execute("INSERT INTO api_tokens (token_hash, human_id, name)"
-                           " VALUES ($1, $2, 'tests')", token_hash(token), human_id)
-    return httpx.AsyncClient(base_url=world.plane.url, timeout=30,
-                             headers={"Authorization": f"Bearer {token}"})
 
 
 async def _status(world: World, agent_id: str) -> str:
@@ -57,7 +42,7 @@ async def test_a_global_flag_stops_the_agents_of_two_organisations(world: World)
     for client in (world.org_admin, world.security, other):
         r = await client.post("/api/v1/flags/global", json={"reason": "not mine to pull"})
         assert r.status_code == 403, "only a platform admin sets the global flag"
-    platform = await _platform_admin(world)
+    platform = await platform_admin_client(world)
     try:
         r = await platform.post("/api/v1/flags/global", json={"reason": "provider incident"})
         assert r.status_code == 200, r.text
@@ -94,7 +79,7 @@ async def test_a_daemon_deaf_to_the_kill_stops_when_its_lease_is_not_renewed(
     agent = (await world.agent())["id"]
     await world.task(agent, "deaf")
     await world.wait_working(agent)
-    platform = await _platform_admin(world)
+    platform = await platform_admin_client(world)
     try:
         r = await platform.post("/api/v1/flags/global", json={"reason": "drill"})
         assert r.status_code == 200

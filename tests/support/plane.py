@@ -189,3 +189,16 @@ async def make_world(plane: Plane) -> AsyncIterator[World]:
         for c in clients:
             await c.aclose()
         await db.close()
+
+
+async def platform_admin_client(world: World) -> httpx.AsyncClient:
+    """A platform admin's client (a world has org roles only); the caller closes it."""
+    human_id, token = uuid.uuid4(), new_token("cvt")
+    await world.db.execute(
+        "INSERT INTO humans (id, org_id, email, password_hash, role)"
+        " VALUES ($1, $2, 'platform@acme.test', $3, 'platform_admin')",
+        human_id, world.org.id, hash_password("correct horse battery"))
+    await world.db.execute("INSERT INTO api_tokens (token_hash, human_id, name)"
+                           " VALUES ($1, $2, 'tests')", token_hash(token), human_id)
+    return httpx.AsyncClient(base_url=world.plane.url, timeout=30,
+                             headers={"Authorization": f"Bearer {token}"})
