@@ -57,20 +57,46 @@ def chromium(window: str = "1300,1600") -> Iterator[Any]:
 
 
 def click(driver: Any, element_id: str, timeout_s: float = 10) -> None:
-    """Click once the element can take it (shown by the page's script, not covered)."""
+    """Click once the element can take it: shown by the page's script, and not covered.
+
+    The page's live updates re-lay it out (an agent's row changes, the banner turns red),
+    so an element Selenium found clickable can move before the click lands and the click
+    hits something else. Such a click is tried again, within the same timeout.
+    """
+    from selenium.common.exceptions import (
+        ElementClickInterceptedException,
+        StaleElementReferenceException,
+    )
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.wait import WebDriverWait
+
+    def clicked(d: Any) -> bool:
+        element = expected_conditions.element_to_be_clickable(("id", element_id))(d)
+        if not element:
+            return False
+        element.click()
+        return True
+
+    WebDriverWait(driver, timeout_s, ignored_exceptions=(
+        ElementClickInterceptedException, StaleElementReferenceException)).until(
+        clicked, f"#{element_id} never took a click (never shown, or always covered)")
+
+
+def type_into(driver: Any, element_id: str, text: str, timeout_s: float = 10) -> None:
+    """Type into a field once it is shown (send_keys focuses it: no click that could miss)."""
     from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.wait import WebDriverWait
 
     WebDriverWait(driver, timeout_s).until(
-        expected_conditions.element_to_be_clickable(("id", element_id)),
-        f"#{element_id} never became clickable").click()
+        expected_conditions.visibility_of_element_located(("id", element_id)),
+        f"#{element_id} never became visible").send_keys(text)
 
 
 def sign_in(driver: Any, base_url: str, email: str, password: str) -> None:
     """Sign in through /administration's own form, as a human would."""
     driver.get(f"{base_url}/administration")
-    driver.find_element("id", "email").send_keys(email)
-    driver.find_element("id", "password").send_keys(password)
+    type_into(driver, "email", email)
+    type_into(driver, "password", password)
     click(driver, "sign-in")
     driver.find_element("id", "who")  # the signed-in page (implicit wait)
 
@@ -78,6 +104,5 @@ def sign_in(driver: Any, base_url: str, email: str, password: str) -> None:
 def pull_fleet_switch(driver: Any, reason: str) -> None:
     """The red button, then the confirmation with a reason."""
     click(driver, "fleet-kill")
-    click(driver, "fleet-reason")
-    driver.find_element("id", "fleet-reason").send_keys(reason)
+    type_into(driver, "fleet-reason", reason)
     click(driver, "fleet-confirm")

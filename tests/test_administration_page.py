@@ -110,6 +110,35 @@ async def test_security_pulls_the_red_button_and_sees_the_fleet_stop_live(
                       str(screenshot_dir() / "administration-fleet-resumed.png"))
 
 
+async def test_a_live_update_leaves_the_confirmation_open_while_the_reason_is_typed(
+        world: World, browser: Any) -> None:
+    """The red button's confirmation stays open through the page's live updates: agents
+    change status all the time, and a refresh that closed it would take the form away from
+    an on-call engineer halfway through typing why (and their next click lands elsewhere)."""
+    other, = await _working_agents(world, 1)
+    await _in_browser(sign_in, browser, world.plane.url, "security@acme.test", PASSWORD)
+    await _live(browser)
+    await _in_browser(click, browser, "fleet-kill")
+    await _in_browser(lambda: browser.find_element("id", "fleet-reason").send_keys("the bill"))
+
+    # Another agent stops meanwhile: its status event makes the page re-read the fleet,
+    # which fills in the kill origin (the event alone carries only the status).
+    r = await world.security.post(f"/api/v1/agents/{other}/kill", json={"reason": "drill"})
+    assert r.status_code == 200, r.text
+
+    async def refreshed() -> bool:
+        origin = await _in_browser(browser.execute_script, (
+            "return document.querySelector('tr[data-agent-id=\"%s\"] .origin').textContent"
+            % other))
+        return bool(origin)
+    await eventually(refreshed, 15, "the page never re-read the agents after the kill")
+    still_open, typed = await _in_browser(browser.execute_script, (
+        "return [document.getElementById('fleet-stop').open, "
+        "document.getElementById('fleet-reason').value]"))
+    assert still_open, "a live update closed the fleet stop's confirmation"
+    assert typed == "the bill", f"the reason being typed was lost: {typed!r}"
+
+
 async def test_an_auditor_sees_the_state_and_no_button(world: World, browser: Any) -> None:
     await _working_agents(world, 1)
     await world.security.post("/api/v1/fleet/kill", json={"reason": "drill"})

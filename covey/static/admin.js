@@ -23,7 +23,12 @@
       document.querySelectorAll("[data-when-killed]").forEach(
         (el) => { el.hidden = !f.fleet_killed; });
       document.querySelectorAll("[data-when-running]").forEach(
-        (el) => { el.hidden = f.fleet_killed; el.open = false; });
+        (el) => {
+          el.hidden = f.fleet_killed;
+          // Fold the confirmation away once the fleet is stopped, and never while someone
+          // is typing why: every agent's status change brings a refresh.
+          if (f.fleet_killed) { el.open = false; }
+        });
     }
     if (agentsReply.ok) {
       for (const a of await agentsReply.json()) {
