@@ -10,9 +10,11 @@ RUN [ -x /usr/lib/postgresql/${PG_MAJOR}/bin/postgres ] || ( \
 RUN (id agent >/dev/null 2>&1 || useradd --create-home --uid 1000 agent) \
     && python3 -m venv /opt/covey
 # Wheels are built on the host (scripts/build-image): the build itself needs no network.
+# With the harness extra: the game days run the puppet model and the fault proxy from this
+# image too.
 COPY build/wheels /tmp/wheels
 RUN /opt/covey/bin/pip install --no-cache-dir --no-index --find-links /tmp/wheels \
-        covey-gameday && rm -rf /tmp/wheels
+        'covey-gameday[harness]' && rm -rf /tmp/wheels
 ENV PATH=/opt/covey/bin:/usr/lib/postgresql/${PG_MAJOR}/bin:$PATH \
     PYTHONUNBUFFERED=1
 LABEL org.opencontainers.image.title="covey-gameday"

@@ -1,0 +1,73 @@
+"""A deployment installs the control plane alone: `covey-gameday` without its `harness` extra
+pulls in no test tooling, every module of covey/ imports without it, and the harness's
+entry points say what to install instead of breaking."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+
+import harness.entry
+
+# What the harness brings and a control plane must never need (import names).
+HARNESS_ONLY = ("pytest", "_pytest", "pytest_asyncio", "testcontainers", "faker", "hdrh",
+                "locust", "typer", "rich", "plotly", "selenium", "schemathesis", "harness")
+
+
+def test_the_control_plane_requires_none_of_the_harness_libraries() -> None:
+    base = [r for r in metadata.requires("covey-gameday") or [] if "extra ==" not in r]
+    names = {r.split(";")[0].split("[")[0].split(">")[0].split("=")[0].strip().lower()
+             for r in base}
+    assert names, "covey-gameday lists no requirements at all"
+    assert not names & {"pytest", "pytest-asyncio", "testcontainers", "faker", "locust",
+                        "hdrhistogram", "typer", "rich", "plotly"}, sorted(names)
+
+
+def test_every_covey_module_imports_without_the_harness() -> None:
+    """Imports all of covey/ in a fresh interpreter that refuses the harness's libraries."""
+    program = f"""
+import importlib, importlib.abc, pkgutil, sys
+refused = {HARNESS_ONLY!r}
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in refused:
+            raise ImportError(f"{{name}} belongs to the harness extra")
+        return None
+sys.meta_path.insert(0, Refuse())
+import covey
+names = [m.name for m in pkgutil.walk_packages(covey.__path__, "covey.")
+         if not m.name.endswith(".__main__")]  # that one runs the command
+for name in names:
+    importlib.import_module(name)
+print(len(names))
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, f"a covey module needs the harness:\n{done.stderr[-3000:]}"
+    assert int(done.stdout.split()[-1]) > 20, done.stdout
+
+
+def test_gameday_without_the_extra_says_what_to_install(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    real_version = metadata.version
+
+    def version(name: str) -> str:
+        if name in ("locust", "plotly"):
+            raise metadata.PackageNotFoundError(name)
+        return real_version(name)
+    monkeypatch.setattr(harness.entry.metadata, "version", version)
+
+    assert harness.entry.missing() == ["locust", "plotly"]
+    with pytest.raises(SystemExit) as exit_:
+        harness.entry.gameday()
+    message = str(exit_.value.code)
+    assert "locust, plotly are not installed" in message \
+        and "pip install 'covey-gameday[harness]'" in message, message
+
+
+def test_with_the_extra_pytest_gets_the_game_day_plugin() -> None:
+    assert harness.entry.missing() == []
+    assert harness.entry.pytest_plugins == ["harness.plugin"]
