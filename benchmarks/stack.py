@@ -1,20 +1,19 @@
 """Set-up shared by the benchmarks (none of them imports tests/): a Postgres server and a
 database of its own, a control plane served by `covey serve` in a process of its own, an
-organisation with one API token per role, a bare HTTP client for the timed requests, and the
-one percentile definition the benchmarks use."""
+organisation with one API token per role, a bare HTTP client for the timed requests. The
+Postgres server and databases come from harness/postgres.py and the percentiles from the
+harness's HDR histogram (harness/measure.py), as for the tests and the game days."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import math
 import os
 import platform
 import shlex
 import socket
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,19 +25,16 @@ import asyncpg
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.measure import percentile_ms as percentile
+from harness.postgres import database_of_its_own
+from harness.postgres import postgres_server as postgres_server  # the benchmarks' server
+
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("flag_committed", "kill_sent", "requeued")
 
 
 class BenchmarkError(RuntimeError):
     """The run cannot give a meaningful figure: a kill that did not kill, a wait that ran out."""
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile: a value that was measured, never an interpolation."""
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
 
 
 def summary(values_ms: list[float]) -> dict[str, float]:
@@ -65,44 +61,10 @@ async def until(check: Callable[[], Awaitable[bool]], timeout: float, what: str,
 
 
 @contextlib.asynccontextmanager
-async def postgres_server(given: str | None) -> AsyncIterator[str]:
-    """A Postgres server that allows CREATE DATABASE: the one given, else an embedded one."""
-    if given:
-        yield given
-        return
-    import pgserver  # type: ignore[attr-defined,unused-ignore]
-
-    get_server = pgserver.get_server  # type: ignore[attr-defined,unused-ignore]
-    with tempfile.TemporaryDirectory(prefix="covey-bench-pg-") as folder:
-        server = await asyncio.to_thread(get_server, folder, cleanup_mode="stop")
-        try:
-            yield str(server.get_uri())
-        finally:
-            await asyncio.to_thread(server.cleanup)
-
-
-def _with_database(url: str, name: str) -> str:
-    base, _, query = url.partition("?")
-    return f"{base.rsplit('/', 1)[0]}/{name}" + (f"?{query}" if query else "")
-
-
-@contextlib.asynccontextmanager
 async def bench_database(server_url: str) -> AsyncIterator[str]:
     """A database of its own, dropped afterwards; the control plane migrates it at start-up."""
-    name = f"covey_bench_{uuid.uuid4().hex[:10]}"
-    conn = await asyncpg.connect(server_url)
-    try:
-        await conn.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await conn.close()
-    try:
-        yield _with_database(server_url, name)
-    finally:
-        conn = await asyncpg.connect(server_url)
-        try:
-            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await conn.close()
+    async with database_of_its_own(server_url, "covey_bench") as url:
+        yield url
 
 
 class RawHttp:

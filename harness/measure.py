@@ -134,6 +134,21 @@ def percentiles(samples_ns: Sequence[int]) -> Percentiles:
                        max_us=max(_us(ns) for ns in samples_ns))
 
 
+def percentile_ms(values_ms: Sequence[float], q: float) -> float:
+    """One percentile of samples in milliseconds, through the same HDR histogram (recorded in
+    microseconds) as every other figure the harness and the benchmarks give; capped at the
+    largest sample, which the histogram's buckets may lie a hair above."""
+    if not values_ms:
+        raise ValueError("no samples to take a percentile of")
+    histogram = HdrHistogram(LOWEST_US, HIGHEST_US, SIGNIFICANT_FIGURES)
+    for value in values_ms:
+        us = max(LOWEST_US, round(value * 1000))
+        if not histogram.record_value(us):
+            raise ValueError(f"{value} ms is outside the histogram's range "
+                             f"({LOWEST_US}..{HIGHEST_US} µs)")
+    return min(float(histogram.get_value_at_percentile(q)) / 1000, max(values_ms))
+
+
 def _us(ns: int) -> int:
     return (ns + 500) // 1000
 

@@ -6,18 +6,17 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import pytest
 import uvicorn
 
 from covey.db import migrate
+from harness.postgres import create_database, database_of_its_own, postgres_server
 from harness.puppet import Puppet, create_app
 from tests.support.plane import Plane, World, eventually, free_port, make_world, start_plane
 
@@ -25,52 +24,24 @@ SCRIPTED_DAEMON = [sys.executable, str(Path(__file__).parent / "support" / "scri
 COVEYD = [sys.executable, "-m", "covey.coveyd"]
 
 
-def _with_database(url: str, name: str) -> str:
-    base, _, query = url.partition("?")
-    return f"{base.rsplit('/', 1)[0]}/{name}" + (f"?{query}" if query else "")
-
-
 @pytest.fixture(scope="session")
-def pg_url() -> Iterator[str]:
-    """The server: DATABASE_URL when given (it must allow CREATE DATABASE), else embedded."""
-    given = os.environ.get("TEST_DATABASE_URL")
-    if given:
-        yield given
-        return
-    import pgserver
-
-    with tempfile.TemporaryDirectory(prefix="covey-test-pg-") as folder:
-        server = pgserver.get_server(folder, cleanup_mode="stop")
-        yield str(server.get_uri())
-        server.cleanup()
+async def pg_url() -> AsyncIterator[str]:
+    """The server: TEST_DATABASE_URL when given (it must allow CREATE DATABASE), else embedded."""
+    async with postgres_server(os.environ.get("TEST_DATABASE_URL"), "covey-test-pg-") as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
 async def template_db(pg_url: str) -> str:
     name = f"covey_template_{uuid.uuid4().hex[:8]}"
-    conn = await asyncpg.connect(pg_url)
-    try:
-        await conn.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await conn.close()
-    await migrate(_with_database(pg_url, name))
+    await migrate(await create_database(pg_url, name))
     return name
 
 
 @pytest.fixture
 async def database_url(pg_url: str, template_db: str) -> AsyncIterator[str]:
-    name = f"covey_t_{uuid.uuid4().hex[:12]}"
-    conn = await asyncpg.connect(pg_url)
-    try:
-        await conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
-    finally:
-        await conn.close()
-    yield _with_database(pg_url, name)
-    conn = await asyncpg.connect(pg_url)
-    try:
-        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await conn.close()
+    async with database_of_its_own(pg_url, "covey_t", template_db) as url:
+        yield url
 
 
 @pytest.fixture

@@ -127,9 +127,9 @@ async def test_a_live_update_leaves_the_confirmation_open_while_the_reason_is_ty
     assert r.status_code == 200, r.text
 
     async def refreshed() -> bool:
-        origin = await _in_browser(browser.execute_script, (
-            "return document.querySelector('tr[data-agent-id=\"%s\"] .origin').textContent"
-            % other))
+        origin = await _in_browser(
+            browser.execute_script, "return document.querySelector("
+            "'tr[data-agent-id=\"' + arguments[0] + '\"] .origin').textContent", other)
         return bool(origin)
     await eventually(refreshed, 15, "the page never re-read the agents after the kill")
     still_open, typed = await _in_browser(browser.execute_script, (

@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import httpx
 import hypothesis
 import pytest
 import schemathesis
 from schemathesis.config import SchemathesisConfig
 
-from tests.conftest import SCRIPTED_DAEMON, _with_database
+from harness.postgres import create_database, drop_database
+from tests.conftest import SCRIPTED_DAEMON
 from tests.support.plane import free_port
 
 pytestmark = pytest.mark.slow
@@ -71,22 +71,6 @@ class Served:
     log: Path
 
 
-async def _fresh_database(pg_url: str, template: str, name: str) -> None:
-    conn = await asyncpg.connect(pg_url)
-    try:
-        await conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
-    finally:
-        await conn.close()
-
-
-async def _drop_database(pg_url: str, name: str) -> None:
-    conn = await asyncpg.connect(pg_url)
-    try:
-        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await conn.close()
-
-
 def _wait_ready(url: str, server: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -107,9 +91,9 @@ def _wait_ready(url: str, server: subprocess.Popen[bytes], log: Path) -> None:
 def served(pg_url: str, template_db: str, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[Served]:
     name = f"covey_fuzz_{uuid.uuid4().hex[:10]}"
-    asyncio.run(_fresh_database(pg_url, template_db, name))
+    database_url = asyncio.run(create_database(pg_url, name, template_db))
     folder = tmp_path_factory.mktemp("fuzz")
-    env = {**os.environ, "DATABASE_URL": _with_database(pg_url, name),
+    env = {**os.environ, "DATABASE_URL": database_url,
            "COVEY_DATA_DIR": str(folder / "data"), "COVEY_TICK_MS": "500",
            "COVEY_DAEMON_COMMAND": " ".join(SCRIPTED_DAEMON)}
     covey = [sys.executable, "-m", "covey"]
@@ -138,7 +122,7 @@ def served(pg_url: str, template_db: str, tmp_path_factory: pytest.TempPathFacto
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
-        asyncio.run(_drop_database(pg_url, name))
+        asyncio.run(drop_database(pg_url, name))
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.measure import TimeToStop, percentiles, summarize, time_to_stop
+from harness.measure import TimeToStop, percentile_ms, percentiles, summarize, time_to_stop
 from tests.harness.builders import MS, GameDay, clean_game_day
 
 
@@ -33,6 +33,17 @@ def test_percentiles_refuse_nothing_and_out_of_range() -> None:
         percentiles([])
     with pytest.raises(ValueError, match="outside"):
         percentiles([2 * 24 * 3600 * 10**9])
+
+
+def test_percentile_in_ms_is_the_same_hdr_percentile() -> None:
+    """The benchmarks' percentile of milliseconds agrees with the game days' one."""
+    values_ms = [float(v) for v in range(1, 1001)]
+    assert percentile_ms(values_ms, 50) == pytest.approx(500, rel=1e-3)
+    assert percentile_ms(values_ms, 99) * 1000 == percentiles(
+        [round(v * MS) for v in values_ms]).p99_us
+    assert percentile_ms([0.25, 7.5], 99) == 7.5  # capped at the largest sample
+    with pytest.raises(ValueError, match="no samples"):
+        percentile_ms([], 50)
 
 
 def test_time_to_stop_splits_into_its_parts_from_the_kill_invoke() -> None:

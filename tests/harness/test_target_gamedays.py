@@ -21,11 +21,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import pytest
 
 from harness.client import CoveyClient, json_of
 from harness.isolation import is_game_day_agent
+from harness.postgres import create_database, drop_database
 from harness.stack import free_port, wait_until_healthy
 
 pytestmark = pytest.mark.slow
@@ -129,13 +129,7 @@ async def serve_deployment(pg_url: str, template_db: str, folder: Path
     """`covey serve` on its own database, bootstrapped like scripts/serve, with a platform
     admin, and its model at the port where the game days serve the puppet."""
     name = f"covey_target_{uuid.uuid4().hex[:10]}"
-    conn = await asyncpg.connect(pg_url)
-    try:
-        await conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
-    finally:
-        await conn.close()
-    base, _, query = pg_url.partition("?")
-    database_url = f"{base.rsplit('/', 1)[0]}/{name}" + (f"?{query}" if query else "")
+    database_url = await create_database(pg_url, name, template_db)
     port, puppet_port = free_port(), free_port()
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("COVEY_")},
            "DATABASE_URL": database_url, "COVEY_DATA_DIR": str(folder / "data"),
@@ -157,11 +151,7 @@ async def serve_deployment(pg_url: str, template_db: str, folder: Path
         yield Served(Deployment(url, puppet_port, folder / "reports"), plane)
     finally:
         await stop_plane(plane)
-        conn = await asyncpg.connect(pg_url)
-        try:
-            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await conn.close()
+        await drop_database(pg_url, name)
 
 
 async def stop_plane(plane: asyncio.subprocess.Process) -> None:
