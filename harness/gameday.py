@@ -32,6 +32,7 @@ from harness.checkers import (
     Verdict,
 )
 from harness.client import CoveyClient, json_of
+from harness.expect import Expect
 from harness.history import History
 from harness.isolation import Organisation, agent_slug, run_id
 from harness.measure import TimeToStop, summarize, time_to_stop
@@ -183,6 +184,11 @@ class GameDay:
     def until(self) -> Until:
         """The shared waits: each polls with a deadline and says what never happened."""
         return Until(self)
+
+    @property
+    def expect(self) -> Expect:
+        """The rules a stop must keep, checked while the game day goes on."""
+        return Expect(self)
 
     @property
     def lease_s(self) -> float:

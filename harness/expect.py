@@ -1,0 +1,148 @@
+"""The rules a stop must keep, as a scenario checks them while the game day goes on
+(`day.expect`). Each check reads the control plane through the game day's people and fails
+with the rule it found broken, in the words of DESIGN §2.3, never a bare comparison.
+
+The checkers judge the history afterwards; these look at the control plane's answers and
+state at the moment the rule applies (what a kill answered, what runs while a stop stands).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from harness.client import json_of
+from harness.isolation import strangers_stopped
+
+if TYPE_CHECKING:
+    from harness.gameday import GameDay
+    from harness.operator import Operator
+
+STOPPED = {"error": "Agent or fleet is stopped", "hint": "resume it first."}
+LIVE = ("starting", "running")
+
+
+class RuleBroken(AssertionError):
+    """A kill-switch rule did not hold; the message says which, and what was seen."""
+
+
+def rule(holds: bool, broken: str) -> None:
+    if not holds:
+        raise RuleBroken(broken)
+
+
+@dataclass(frozen=True)
+class FleetStop:
+    """What a fleet kill answered, for the game day's own agents."""
+
+    requeued: set[str]  # tasks of the game day it put back to open
+    cancelled: set[str]  # sessions it stopped
+
+
+class Expect:
+    def __init__(self, day: GameDay) -> None:
+        self.day = day
+        self.auditor = day.people["auditor"]
+
+    async def fleet_stop_answer(self, report: dict[str, Any],
+                                agents: Iterable[dict[str, Any]]) -> FleetStop:
+        """The fleet kill's answer: every agent stopped (a shared organisation's others too),
+        work requeued, and every daemon holding the kill before the answer came."""
+        mine, stopped = {a["id"] for a in agents}, set(report["agents_stopped"])
+        rule(mine <= stopped, f"the fleet stop left agents running: {sorted(mine - stopped)}")
+        strangers = await strangers_stopped(self.day, mine, stopped)
+        rule(strangers is None, str(strangers))
+        tasks = await self.day.read_tasks()
+        requeued = {t for t in report["tasks_requeued"] if t in tasks}
+        rule(bool(requeued), "the fleet stop requeued none of the game day's tasks")
+        cancelled = set(report["sessions_cancelled"])
+        rule(bool(cancelled), "the fleet stop found no session to stop")
+        rule(set(report["sessions_confirmed"]) == cancelled,
+             "the fleet stop answered before every daemon had the kill in hand")
+        unacked = cancelled - set(report["sessions_acknowledged"])
+        rule(not unacked, f"daemons that did not acknowledge the kill before the answer: "
+             f"{sorted(unacked)}")
+        return FleetStop(requeued, cancelled)
+
+    async def daemons_obeyed(self, agents: Iterable[dict[str, Any]],
+                             sessions: set[str]) -> set[str]:
+        """Every daemon of the stopped sessions exited with 3 (the kill switch). Returns the
+        agents that had one of those sessions."""
+        agents = list(agents)
+        stopped = {a["id"]: [s for s in json_of(await self.auditor.sessions(a["id"]))
+                             if s["id"] in sessions] for a in agents}
+        boxes = {s["sandbox_id"] for ss in stopped.values() for s in ss}
+        exits = {s["id"]: s["exit_code"] for a in agents
+                 for s in await self.day.sandboxes(a["id"]) if s["id"] in boxes}
+        rule(exits == dict.fromkeys(boxes, 3),
+             f"daemons that did not obey the kill (exit code 3 expected): {exits}")
+        return {agent for agent, ss in stopped.items() if ss}
+
+    async def work_back_in_the_backlog(self, stop: FleetStop, in_progress: set[str]) -> None:
+        """Nothing is left in progress; what the stop requeued is open; what was in progress
+        went back to open unless it finished first."""
+        tasks = await self.day.read_tasks()
+        left = sorted(t for t, task in tasks.items() if task["state"] == "in_progress")
+        rule(not left, f"tasks still in progress after the stop: {left}")
+        rule(all(tasks[t]["state"] == "open" for t in stop.requeued),
+             "a task the stop requeued is not open")
+        rule(all(tasks[t]["state"] in ("open", "done") for t in in_progress),
+             "a task in progress at the stop neither went back to open nor finished")
+
+    async def nothing_starts(self, agent: dict[str, Any], triggered: dict[str, Any],
+                             heartbeat: str, window_s: float = 2) -> None:
+        """While the fleet stop stands: a new task stays open, and the manual heartbeat and
+        the trigger bounce with 409 and the hint."""
+        admin = self.day.as_("org_admin")
+        fresh = await self.day.task(agent["id"], "arrived during the stop")
+        await asyncio.sleep(window_s)  # the window in which nothing may start
+        state = json_of(await self.auditor.task(agent["id"], fresh["id"]))["state"]
+        rule(state == "open", f"a task that arrived during the fleet stop was started "
+             f"(it is {state})")
+        for what, r in (("a manual heartbeat fire",
+                         await admin.fire_heartbeat(triggered, heartbeat)),
+                        ("the external trigger", await admin.trigger(triggered))):
+            rule((r.status_code, r.json()) == (409, STOPPED),
+                 f"{what} was not refused during the fleet stop: {r.status_code} {r.text}")
+
+    async def only_security_holds_the_fleet_switch(self) -> None:
+        """org_admin and controlling were told; the roles without the switch get 403."""
+        for role in ("org_admin", "controlling"):
+            notes = json_of(await self.day.people[role].notifications())
+            rule(any(n["kind"] == "fleet_killed" for n in notes),
+                 f"{role} was not notified of the fleet stop")
+        for role in ("agent_owner", "auditor", "controlling"):
+            who = self.day.as_(role)
+            rule((await who.kill_fleet()).status_code == 403,
+                 f"{role} may pull the fleet switch")
+            rule((await who.resume_fleet()).status_code == 403, f"{role} may resume the fleet")
+
+    async def held_by_the_fleet(self, agent: dict[str, Any], window_s: float = 1) -> None:
+        """An agent resumed on its own while the fleet stop stands does not run."""
+        released = json_of(await self.day.as_("org_admin").resume_agent(agent))
+        rule(released["held_by_fleet"] is True and released["agents_woken"] == [],
+             "an agent resumed on its own ran while the fleet stop stood")
+        await asyncio.sleep(window_s)  # nothing may start in this window either
+        live = [s for s in json_of(await self.auditor.sessions(agent["id"]))
+                if s["state"] in LIVE]
+        rule(not live, "an agent resumed on its own started a session while the fleet stop "
+             "stood")
+
+    async def fleet_resume_wakes_open_work(self, security: Operator,
+                                           agents: Iterable[dict[str, Any]]) -> set[str]:
+        """Fleet resume wakes at once every one of these agents with open work: in its answer,
+        or through the tick the moment the flags cleared (a session new since the resume).
+        Returns the agents the answer woke."""
+        ids = {a["id"] for a in agents}
+        with_work = {t["agent_id"] for t in (await self.day.read_tasks()).values()
+                     if t["state"] == "open" and t["agent_id"] in ids}
+        before = {s["id"] for a in with_work for s in json_of(await self.auditor.sessions(a))}
+        woken = set(json_of(await security.resume_fleet())["agents_woken"])
+        at_work = woken & ids
+        at_work |= {a for a in with_work - at_work
+                    if {s["id"] for s in json_of(await self.auditor.sessions(a))} - before}
+        rule(at_work >= with_work, f"the fleet resume did not wake at once every agent with "
+             f"open work: {sorted(with_work - at_work)}")
+        return woken
