@@ -239,7 +239,11 @@ class GameDay:
         stopped, or a task ended where nothing requeues it (failed, cancelled, blocked).
         Nothing in a game day resumes on its own: that is the scenario's operators' job."""
         auditor = self.people["auditor"]
-        if json_of(await auditor.fleet())["fleet_killed"]:
+        fleet = json_of(await auditor.fleet())
+        if fleet.get("global_stop"):
+            return ("a platform admin's global kill flag stops every organisation and nobody "
+                    "will clear it")
+        if fleet["fleet_killed"]:
             return "the fleet stop stands and nobody will resume it"
         for agent_id in self.agents:
             tasks = json_of(await auditor.backlog(agent_id))

@@ -74,6 +74,12 @@ async def control_plane_answers(url: str) -> Probe:
 async def fleet_not_stopped(admin: CoveyClient, organisation: str) -> Probe:
     started = time.monotonic()
     fleet = json_of(await admin.fleet())
+    if fleet.get("global_stop"):  # an older covey does not say
+        return Probe("the fleet is not stopped", False,
+                     f"a platform admin's global kill flag stops every organisation on this "
+                     f"control plane, {organisation} too",
+                     "a platform admin clears it (POST /api/v1/flags/global/clear with a "
+                     "reason) once it is safe", time.monotonic() - started)
     if not fleet["fleet_killed"]:
         return Probe("the fleet is not stopped", True,
                      f"the fleet of {organisation} is running", None,

@@ -55,6 +55,10 @@ async def test_a_global_flag_stops_the_agents_of_two_organisations(world: World)
         assert r.status_code == 409, r.text
         flags = (await other.get("/api/v1/flags")).json()
         assert [f["reason"] for f in flags if f["scope"] == "global"] == ["provider incident"]
+        # Every organisation's fleet read says so: its own switch is not what stopped it.
+        for client in (world.auditor, other):
+            fleet = (await client.get("/api/v1/fleet")).json()
+            assert fleet["global_stop"] is True and fleet["fleet_killed"] is False, fleet
         await world.task(mine[1], "hold")  # a new task: the NOTIFY wake path
         await asyncio.sleep(1.5)  # the one window in which nothing may start (ticks: 0.3 s)
         assert await world.db.fetchval(
@@ -64,6 +68,7 @@ async def test_a_global_flag_stops_the_agents_of_two_organisations(world: World)
         assert r.status_code == 200 and r.json()[0]["scope"] == "global", r.text
         r = await platform.post("/api/v1/flags/global/clear", json={"reason": "resolved"})
         assert r.status_code == 200 and set(r.json()["agents_woken"]) == set(tasks), r.text
+        assert (await world.auditor.get("/api/v1/fleet")).json()["global_stop"] is False
         for a in tasks:
             await world.wait_working(a)
         actions = [r["action"] for r in await world.db.fetch(

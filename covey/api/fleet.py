@@ -20,6 +20,7 @@ async def fleet(who: AnyRole, orch: Orch) -> FleetOut:
         SELECT o.id AS org_id, o.fleet_killed, o.fleet_killed_at,
                (SELECT h.email FROM humans h WHERE h.id=o.fleet_killed_by) AS fleet_killed_by,
                o.fleet_killed_reason,
+               EXISTS (SELECT 1 FROM kill_flags WHERE scope='global') AS global_stop,
                count(a.id) AS agents,
                count(a.id) FILTER (WHERE a.killed) AS agents_killed,
                count(a.id) FILTER (WHERE a.status IN ('working','triggered')) AS agents_working

@@ -276,6 +276,9 @@ class FleetOut(BaseModel):
     # must say whose stop it is before anyone releases it.
     fleet_killed_by: str | None = None
     fleet_killed_reason: str | None = None
+    # A platform admin's global kill flag stops this organisation too, whatever
+    # fleet_killed says; only a platform admin clears it (POST /api/v1/flags/global/clear).
+    global_stop: bool = False
     agents: int
     agents_killed: int
     agents_working: int
