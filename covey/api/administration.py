@@ -24,7 +24,14 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 
 from covey.api.agents import AGENT_COLUMNS
 from covey.api.auth import SESSION_HOURS
-from covey.api.deps import KILLERS, SECURITY, SESSION_COOKIE, Principal, current_principal
+from covey.api.deps import (
+    KILLERS,
+    SECURITY,
+    SESSION_COOKIE,
+    Principal,
+    arrived,
+    current_principal,
+)
 from covey.errors import ApiError
 from covey.orchestrator import Orchestrator
 from covey.security import hash_password, new_token, token_hash, verify_password
@@ -167,7 +174,7 @@ async def kill_fleet(request: Request) -> Response:
         return acting
     who, form = acting
     report = await request.app.state.orchestrator.kill_fleet(
-        who.org_id, who.human_id, reason=_reason(form))
+        who.org_id, who.human_id, started=arrived(request), reason=_reason(form))
     return _done(request, {"fleet_killed": True, "agents_stopped": len(report.agents)})
 
 
@@ -197,7 +204,7 @@ async def agent_switch(agent_id: str, action: str, request: Request) -> Response
         return _refusal(404, "No such agent or action", "Use the page's buttons.", request)
     if action == "kill":
         found: object = await orch.kill_agent(who.org_id, target, who.human_id,
-                                              reason=_reason(form))
+                                              started=arrived(request), reason=_reason(form))
     else:
         found = await orch.resume_agent(who.org_id, target, who.human_id, reason=_reason(form))
     if found is None:
