@@ -54,11 +54,8 @@ def _lease_ns(history: History) -> int | None:
     return None
 
 
-def no_task_lost(history: History, final: FinalState) -> Verdict:
-    """Every task ends done, failed with a reason, or open with no live session on it."""
-    name = "no_task_lost"
-    if not final.tasks:
-        return Verdict(name, "unknown", "The harness read no tasks at the end of the game day.")
+def task_fates(final: FinalState) -> tuple[list[str], list[str]]:
+    """The tasks lost and the tasks whose fate cannot be told, one sentence each."""
     lost: list[str] = []
     unclear: list[str] = []
     for task_id, task in sorted(final.tasks.items()):
@@ -84,6 +81,15 @@ def no_task_lost(history: History, final: FinalState) -> Verdict:
                         f"it: nothing will finish or requeue it")
         else:
             lost.append(f"task {task_id} ended {state}")
+    return lost, unclear
+
+
+def no_task_lost(history: History, final: FinalState) -> Verdict:
+    """Every task ends done, failed with a reason, or open with no live session on it."""
+    name = "no_task_lost"
+    if not final.tasks:
+        return Verdict(name, "unknown", "The harness read no tasks at the end of the game day.")
+    lost, unclear = task_fates(final)
     evidence = _reads(history, [t for t in final.tasks if any(t in s for s in lost)])
     if lost:
         return Verdict(name, False, _sentence(f"{len(lost)} of {len(final.tasks)} tasks were "

@@ -17,12 +17,14 @@ import re
 
 import pytest
 
+from harness.checkers import FinalState, Verdict
 from harness.gameday import GameDay
 from harness.generator.faults import usable_faults
 from harness.generator.play import play, verdicts_of
 from harness.generator.schedule import Schedule, Step, from_journal, generate, write
 from harness.generator.shrink import shrink
 from harness.plugin import run_seed
+from harness.switch_checkers import task_fates
 from harness.verdicts import broken_rules, failed
 
 CHECKED = ("no_action_after_kill_ack", "in_progress_requeued", "no_wake_of_stopped_agent",
@@ -55,6 +57,17 @@ def replay_command(config: pytest.Config, day: GameDay, schedule: Schedule,
     return f"pytest scenarios/random_gameday.py --stack {day.stack} {how}"
 
 
+def figures(day: GameDay, verdicts: list[Verdict], final: FinalState) -> dict[str, int]:
+    """The soak's counts for this schedule (benchmarks/soak.py adds them up)."""
+    lost, _ = task_fates(final)
+    late = next((v for v in verdicts if v.checker == "no_action_after_kill_ack"
+                 and v.valid is False), None)
+    return {"tasks": len(final.tasks), "lost_tasks": len(lost),
+            "done_twice": sum(1 for t in final.tasks.values() if t["done_count"] > 1),
+            "actions_after_kill_ack": 0 if late is None else sum(
+                1 for i in late.evidence if day.history[i].f == "action")}
+
+
 # in_progress_requeued may stay undecided: a schedule need not kill a working agent.
 @pytest.mark.checkers(*CHECKED)
 @pytest.mark.decides("no_task_lost", "none_done_twice", "every_fault_healed")
@@ -68,7 +81,8 @@ async def test_random_gameday(gameday: GameDay, agents_per_game_day: int,
                          faults=usable_faults(day)))
     async with day.journaled() as outcome:
         await play(day, schedule)
-        await day.judged(outcome)
+        final = await day.judged(outcome)
+        day.journal_sections["generator"].update(figures(day, outcome.verdicts, final))
         broken = broken_rules(outcome.verdicts, day.required)
         if not broken:
             return
