@@ -15,6 +15,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import docker.errors
+
 if TYPE_CHECKING:
     from harness.gameday import GameDay
 
@@ -110,7 +112,7 @@ async def kill_sandbox(day: GameDay, params: dict[str, Any]) -> dict[str, Any]:
     try:
         record = (await nemesis.kill_process(int(box["handle"])) if box["backend"] == "process"
                   else await nemesis.kill_container(str(box["handle"])))
-    except (ProcessLookupError, OSError) as gone:  # it ended between the read and the kill
+    except (OSError, docker.errors.APIError) as gone:  # it ended between the read and now
         raise FaultSkipped(f"sandbox {box['id']} ended before the kill: {gone}") from gone
     return {**record.to_json(), "sandbox_id": box["id"]}
 

@@ -208,3 +208,11 @@ def test_a_wake_path_accepted_during_a_stop_is_caught() -> None:
     assert verdict.valid is False
     assert verdict.evidence == (ack.index, call.index, done.index)
     assert "fire_heartbeat of agent a1" in verdict.message and "answered 202" in verdict.message
+
+
+def test_a_scenario_may_choose_each_of_them_by_name() -> None:
+    from harness.switch_checkers import SWITCH_CHECKERS
+    from harness.verdicts import KNOWN_CHECKERS
+
+    names = {c.__name__ for c in SWITCH_CHECKERS}
+    assert len(names) == 6 and names <= KNOWN_CHECKERS
