@@ -9,14 +9,16 @@ from typing import Any
 
 import httpx
 import pytest
-from faker import Faker
 
 from harness.checkers import FinalState, Verdict
+from harness.client import CoveyClient
+from harness.gameday import GameDay
 from harness.generator import faults as fault_registry
 from harness.generator.play import Played, apply
 from harness.generator.schedule import (
     ALLOWED,
     OPERATIONS,
+    ROLES,
     AgentPlan,
     Schedule,
     Step,
@@ -63,54 +65,49 @@ def test_a_schedule_naming_an_agent_it_lacks_is_refused() -> None:
         Schedule.from_json(data)
 
 
-class Recorder:
-    """The game day's side of the player, recording what it was asked to do."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-        self.history = History()
-        self.fake = Faker()
-        self.fake.seed_instance(1)
-        self.people = {"auditor": self}
-
-    def as_(self, role: str) -> Recorder:
-        self.role = role
-        return self
-
-    def __getattr__(self, name: str) -> Any:
-        if name not in OPERATIONS:
-            raise AttributeError(name)
-
-        async def call(*args: Any, **kwargs: Any) -> httpx.Response:
-            agent = args[0]["id"] if args and isinstance(args[0], dict) else None
-            rest = [a for a in args[1:] if name != "trigger"]  # a trigger's title is made up
-            self.calls.append((self.role, name, agent, *rest, *sorted(kwargs.items())))
-            return httpx.Response(200, json={})
-        return call
-
-    async def read_tasks(self) -> dict[str, Any]:
-        return {}
-
-    async def backlog(self, agent_id: str) -> httpx.Response:
-        return httpx.Response(200, json=[{"id": f"{agent_id}-t{n}", "created_at": str(n)}
+def _answer(request: httpx.Request) -> httpx.Response:
+    """The control plane, as a table: a backlog of three tasks, and yes to everything else."""
+    if request.method == "GET" and request.url.path.endswith("/backlog"):
+        agent = request.url.path.split("/")[-2]
+        return httpx.Response(200, json=[{"id": f"{agent}-t{n}", "created_at": str(n)}
                                          for n in range(3)])
+    return httpx.Response(200, json={})
 
 
-async def _played(schedule: Schedule, monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
-    day = Recorder()
+def _day(tmp_path: Path) -> GameDay:
+    """A game day whose people talk to `_answer`: the player's calls go through the real
+    recording client, and only the control plane is a table."""
+    day = GameDay(name="replay", stack="none", endpoints=None,  # type: ignore[arg-type]
+                  seed=1, report_dir=tmp_path)
+    for role in ROLES:
+        client = CoveyClient("http://covey.test")
+        client.http = httpx.AsyncClient(base_url="http://covey.test",
+                                        transport=httpx.MockTransport(_answer))
+        day.people[role] = client
+    return day
+
+
+async def _played(schedule: Schedule, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                  ) -> list[tuple[Any, ...]]:
+    """The operations a schedule's steps make, as the history records them."""
+    day = _day(tmp_path)
     for name, entry in fault_registry.FAULTS.items():
         async def fault(d: Any, params: dict[str, Any], name: str = name) -> dict[str, Any]:
-            day.calls.append(("nemesis", name, *sorted(params.items())))
             return {"id": name}
         monkeypatch.setitem(fault_registry.FAULTS, name,
                             fault_registry.FaultAction(fault, entry.draw, entry.needs_agent,
                                                        entry.usable))
-    agents = [{"id": f"agent-{n}", "trigger_token": "t"} for n in range(len(schedule.agents))]
+    agents = [{"id": f"agent-{n}", "trigger_token": f"token-{n}"}
+              for n in range(len(schedule.agents))]
     played = Played()
     for index, step in enumerate(schedule.steps):
-        await apply(day, agents, index, step, played)  # type: ignore[arg-type]
+        await apply(day, agents, index, step, played)
+    await day.close()
     assert played.operations + played.faults == len(schedule.steps)
-    return day.calls
+    ignored = ("title",)  # made up by the game day's faker, not by the schedule
+    return [(op.f, op.process, op.type,
+             sorted((k, v) for k, v in op.value.items() if k not in ignored))
+            for op in day.history.operations() if op.f not in ("step", "task_state")]
 
 
 async def test_replaying_a_journals_schedule_makes_the_same_operations(
@@ -120,8 +117,10 @@ async def test_replaying_a_journals_schedule_makes_the_same_operations(
     journal.write_text(json.dumps({"status": "failed", "schedule": schedule.to_json()}))
     replayed = from_journal(journal)
     assert replayed == schedule
-    first, again = await _played(schedule, monkeypatch), await _played(replayed, monkeypatch)
+    first = await _played(schedule, tmp_path, monkeypatch)
+    again = await _played(replayed, tmp_path, monkeypatch)
     assert first == again and len(first) == len(schedule.steps)
+    assert {f for f, *_ in first} >= {"kill_agent", "kill_fleet", "wake", "fault"}
     # A shrunk schedule's own file replays the same way.
     assert from_journal(write(schedule, tmp_path / "shrunk.schedule.json")) == schedule
 
