@@ -39,7 +39,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "schedule_seed" not in metafunc.fixturenames:
         return
     config = metafunc.config
-    if config.getoption("--replay"):
+    replay = config.getoption("--replay")
+    if replay:
+        try:
+            from_journal(replay)  # a file that cannot be replayed fails before a stack is up
+        except (OSError, ValueError, KeyError, TypeError) as bad:
+            raise pytest.UsageError(f"--replay {replay}: {bad}") from bad
         metafunc.parametrize("schedule_seed", [None], ids=["replay"])
         return
     count: int = config.getoption("--schedules")
