@@ -196,7 +196,7 @@ def no_sandbox_alive_after_stop(history: History, final: FinalState) -> Verdict:
             created, ended = int(box.value["created_ns"]), box.value.get("ended_ns")
             if (until is None or created < until) and (ended is None or ended > after):
                 evidence.update([stop.kill.last_index, box.index])
-                still = ("still up when last read" if ended is None
+                still = (f"still {box.value.get('state')} when last read" if ended is None
                          else f"up until {_ms(int(ended) - (stop.acknowledged_ns or 0))} "
                               f"after the kill's acknowledgement")
                 lines.append(f"sandbox {box.value.get('sandbox_id')} of agent {agent} was "
@@ -205,7 +205,8 @@ def no_sandbox_alive_after_stop(history: History, final: FinalState) -> Verdict:
     if lines:
         return Verdict(name, False, _sentence(
             f"Sandboxes outlived a stop by more than {_ms(TEARDOWN_BOUND_NS)}", lines,
-            "a stopped agent's sandbox still holds its process or container"),
+            "a stopped agent's sandbox still holds its process or container, or stays "
+            "parked for reuse with work the kill should have thrown away"),
             tuple(sorted(evidence)))
     if not judged:
         return Verdict(name, "unknown", f"Every stop was released within "

@@ -141,7 +141,7 @@ def test_a_sandbox_up_past_the_teardown_bound_is_caught() -> None:
     _box(day, "b1", 0, None)
     verdict = no_sandbox_alive_after_stop(day.history, FinalState())
     assert verdict.valid is False
-    assert "sandbox b1 of agent a1 was still up when last read" in verdict.message
+    assert "sandbox b1 of agent a1 was still running when last read" in verdict.message
     assert ack.index in verdict.evidence
 
 
