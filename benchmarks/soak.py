@@ -22,9 +22,13 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from harness.measure import TimeToStop
+from harness.measure import summarize as time_to_stop_percentiles
 
 COUNTS = ("operations", "faults", "skipped", "tasks_created", "tasks", "lost_tasks",
           "done_twice", "actions_after_kill_ack")
@@ -53,9 +57,14 @@ def summarize(journals: list[dict[str, Any]]) -> dict[str, Any]:
                             "rules": rules, "journal": j["_path"],
                             "messages": [v["message"][:400] for v in j.get("verdicts", [])
                                          if v["valid"] is False]})
+    samples = [TimeToStop(**s) for j in journals
+               for s in j.get("measurements", {}).get("time_to_stop", {}).get("samples_ns", [])]
     return {"schedules": len(journals), "statuses": dict(statuses), **totals,
             "faults_drawn": dict(faults), "unsettled": unsettled,
-            "rules_broken": dict(broken), "failing": failing}
+            "rules_broken": dict(broken),
+            "time_to_stop_us": {part: asdict(p) for part, p in
+                                time_to_stop_percentiles(samples).items()} if samples else {},
+            "failing": failing}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,25 +75,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1000)
     parser.add_argument("--stack", default="processes")
     parser.add_argument("--report-dir", default="reports/soak")
+    parser.add_argument("--summarize-only", action="store_true",
+                        help="run nothing: add up the journals already in --report-dir")
     args = parser.parse_args(argv)
     report_dir = Path(args.report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
-    before = set(report_dir.glob("*.json"))
+    before = set() if args.summarize_only else set(report_dir.glob("*.json"))
     command = [sys.executable, "-m", "pytest", "scenarios/random_gameday.py", "-q",
                "-p", "no:cacheprovider", "--stack", args.stack, "--reuse-stack",
                "--schedules", str(args.schedules), "--duration", str(args.duration),
                "--agents", str(args.agents), "--seed", str(args.seed), "--shrink-runs", "0",
                "--report-dir", str(report_dir)]
-    print("$ " + " ".join(command), flush=True)
     started = time.monotonic()
-    exit_code = subprocess.call(command)
+    exit_code = None
+    if not args.summarize_only:
+        print("$ " + " ".join(command), flush=True)
+        exit_code = subprocess.call(command)
     took = time.monotonic() - started
     journals = []
     for path in sorted(set(report_dir.glob("*.json")) - before):
         document = json.loads(path.read_text())
         if isinstance(document, dict) and "schedule" in document:
             journals.append({**document, "_path": str(path)})
-    summary = {"command": " ".join(command), "pytest_exit": exit_code,
+    summary = {"command": None if args.summarize_only else " ".join(command),
+               "pytest_exit": exit_code,
                "wall_s": round(took, 1), **summarize(journals)}
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out = report_dir / f"soak-{stamp}.json"
