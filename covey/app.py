@@ -229,7 +229,8 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
         else:
             provider = ProcessProvider(settings.daemon_command, settings.data_dir / "logs")
         orch.runner = Runner(pool, provider, settings.data_dir, node, settings.kill_grace_s,
-                             orch.sandbox_exited, settings.warm_sync_s, settings.warm_idle_s)
+                             orch.sandbox_exited, settings.warm_sync_s, settings.warm_idle_s,
+                             park=orch.park_warm)
         app.state.orchestrator = orch
         listener = Listener(url, orch, events)
         loops = [

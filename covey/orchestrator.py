@@ -559,6 +559,25 @@ class Orchestrator:
         state = await self.pool.fetchval("SELECT state FROM sessions WHERE id=$1", session_id)
         return bool(state == "ended")
 
+    async def park_warm(self, sandbox_id: UUID, agent_id: UUID) -> bool:
+        """Park a warm sandbox whose daemon fell asleep, unless a switch stopped its agent:
+        then it is evicted, as the kill would have evicted it parked. A daemon that finished
+        just as the kill came exits after the kill's evictWarm has run; parked then, it kept
+        the killed agent's unsynced work for the next session after resume (a random game
+        day found it). The agent's lock orders the two: a kill waits for this transaction,
+        or this one sees the kill's flag."""
+        async with transaction(self.pool) as conn:
+            row = await lock_agent(conn, agent_id, write=False)
+            if row is not None and not row["stopped"]:
+                parked = await conn.fetchval(
+                    "UPDATE sandboxes SET state='parked', handle=NULL, parked_at=now()"
+                    " WHERE id=$1 AND state='running' RETURNING id", sandbox_id)
+                return parked is not None
+            await conn.execute(
+                "UPDATE sandboxes SET state='evicted', handle=NULL, ended_at=now()"
+                " WHERE id=$1 AND state='running'", sandbox_id)
+        return False
+
     # ---------------------------------------------------------------- switches
 
     async def _switch(self, conn: Connection, body: Callable[[Connection], Awaitable[T]],

@@ -249,6 +249,9 @@ class DockerProvider:
 # Told that a sandbox's daemon exited, the orchestrator settles the session and answers
 # whether it ended cleanly (a real falling-asleep, whose home is worth keeping).
 ExitCallback = Callable[[UUID, UUID, int], Awaitable[bool]]
+# Park a warm sandbox whose daemon fell asleep (sandbox, agent); False when a switch stopped
+# the agent meanwhile and the sandbox was evicted instead (the orchestrator decides).
+ParkCallback = Callable[[UUID, UUID], Awaitable[bool]]
 
 EVIDENCE_KEPT = 5  # homes of killed or lost sandboxes kept per agent, newest first
 
@@ -295,6 +298,8 @@ class Runner:
         on_exit: ExitCallback,
         warm_sync_s: float = 300.0,
         warm_idle_s: float = 900.0,
+        *,
+        park: ParkCallback,
     ) -> None:
         self._pool = pool
         self._provider = provider
@@ -303,6 +308,7 @@ class Runner:
         self.node = node
         self._grace = kill_grace_s
         self._on_exit = on_exit
+        self._park = park
         self.warm_sync_s = warm_sync_s
         self.warm_idle_s = warm_idle_s
         self._handles: dict[UUID, str] = {}
@@ -349,10 +355,7 @@ class Runner:
         log.info("sandbox exited", sandbox_id=str(sandbox_id), exit_code=code)
         clean = await self._on_exit(sandbox_id, session_id, code) and code == 0
         if clean and warm:
-            parked = await self._pool.fetchval(
-                "UPDATE sandboxes SET state='parked', handle=NULL, parked_at=now()"
-                " WHERE id=$1 AND state='running' RETURNING id", sandbox_id)
-            if parked is None:  # evicted while it fell asleep
+            if not await self._park(sandbox_id, agent_id):  # evicted while it fell asleep
                 await self._discard(sandbox_id, agent_id)
         elif clean:
             await self.fall_asleep(sandbox_id, agent_id)

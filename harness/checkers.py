@@ -51,6 +51,7 @@ class FinalTask(TypedDict):
     state: str  # open | in_progress | blocked | done | failed | cancelled
     agent_id: str
     done_count: int  # how many times it was completed, counted from task_transitions
+    result: NotRequired[str | None]  # what it ended with; a failed task's reason
 
 
 class FinalAgent(TypedDict):
@@ -59,6 +60,7 @@ class FinalAgent(TypedDict):
     killed: bool
     kill_origin: str | None  # "agent", "fleet", a guard layer...; None when not killed
     org_id: NotRequired[str]  # only needed when a game day has more than one organisation
+    live_tasks: NotRequired[list[str]]  # tasks of its sessions still starting or running
 
 
 @dataclass(frozen=True)

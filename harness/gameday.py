@@ -40,6 +40,7 @@ from harness.measures import Measure
 from harness.operator import Operator, Until
 from harness.puppet import Behaviour, behaviour_name, resolve
 from harness.stack import Endpoints
+from harness.switch_checkers import LEASE_F, SANDBOX_F
 from harness.verdicts import broken_rules
 
 # The game day's phases as they happen, for whoever listens (`gameday run` shows them).
@@ -65,7 +66,7 @@ def kill_delivery(agent_id: str, session: dict[str, Any]) -> dict[str, Any] | No
     return {"agent_id": agent_id, "session_id": session["id"], "sent_ns": sent,
             "confirmed_ns": _ns(session.get("kill_confirmed_at")),
             "confirmed_by": session.get("kill_confirmed_by"),
-            "daemon_stop": session.get("daemon_stop")}
+            "daemon_stop": session.get("daemon_stop"), "sandbox_id": session.get("sandbox_id")}
 
 
 @dataclass
@@ -307,6 +308,9 @@ class GameDay:
         for agent_id in self.agents:
             for s in await self.sandboxes(agent_id):
                 ended = _ns(s.get("ended_at"))
+                self.history.observe(OBSERVER, SANDBOX_F, {
+                    "agent_id": agent_id, "sandbox_id": s["id"], "state": s["state"],
+                    "created_ns": _ns(s["created_at"]), "ended_ns": ended})
                 if s["state"] == "gone" and ended is not None:
                     self.history.observe(f"agent:{agent_id}", "daemon_exit",
                                          {"exit_code": s["exit_code"], "sandbox_id": s["id"]},
@@ -338,12 +342,16 @@ class GameDay:
         agents: dict[str, FinalAgent] = {}
         for agent_id in self.agents:
             got = json_of(await self.people["auditor"].agent(agent_id))
-            agents[agent_id] = {"killed": got["killed"], "kill_origin": got["kill_origin"]}
+            live = [str(s["task_id"]) for s in json_of(
+                await self.people["auditor"].sessions(agent_id))
+                if s["state"] in ("starting", "running") and s["task_id"] is not None]
+            agents[agent_id] = {"killed": got["killed"], "kill_origin": got["kill_origin"],
+                                "live_tasks": live}
             for t in json_of(await self.people["auditor"].backlog(agent_id)):
                 detail = json_of(await self.people["auditor"].task(agent_id, t["id"]))
                 done = sum(1 for tr in detail["transitions"] if tr["to_state"] == "done")
                 tasks[t["id"]] = {"state": t["state"], "agent_id": agent_id,
-                                  "done_count": done}
+                                  "done_count": done, "result": t.get("result")}
         return FinalState(tasks=tasks, agents=agents)
 
     # ------------------------------------------------------------------ the journal
@@ -397,6 +405,8 @@ class GameDay:
         """Judge after the fact. Faults still standing are judged as they are: unhealed."""
         phases.info("judging the history")
         await self.endpoints.nemesis.refresh()
+        if self.endpoints.lease_ms is not None:
+            self.history.observe(OBSERVER, LEASE_F, {"lease_ms": self.endpoints.lease_ms})
         self.copy_faults()
         await self.copy_ledger()
         await self.copy_sandboxes_and_sessions()

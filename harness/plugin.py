@@ -15,7 +15,7 @@ from typing import Any, Protocol, cast
 
 import pytest
 
-from harness.checkers import ALL_CHECKERS, CHECKERS, Checker
+from harness.checkers import CHECKERS, Checker
 from harness.gameday import GameDay, phases
 from harness.isolation import isolation_header
 from harness.measures import MEASURES, Measure
@@ -27,6 +27,7 @@ from harness.report.summary import (
 from harness.rollback import RollbackFailed, roll_back_loudly
 from harness.stack import ContainersStack, Endpoints, ProcessesStack, Stack, TargetStack
 from harness.steady import SteadyStateNotMet, prepare
+from harness.switch_checkers import CATALOGUE
 from harness.verdicts import KNOWN_CHECKERS, broken_rules, render
 
 # Hooks of the report's, found by pytest under these names in this plugin module.
@@ -63,6 +64,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--report-dir", default="reports", help="where journals go")
     group.addoption("--seed", type=int, default=None,
                     help="seed of the generated people and agents (default: random, printed)")
+    group.addoption("--schedules", type=int, default=2,
+                    help="random game days (scenarios/random_gameday.py): how many seeded "
+                         "schedules, with seeds --seed, --seed+1, ... (default 2)")
+    group.addoption("--duration", type=float, default=15.0,
+                    help="random game days: seconds of operations and faults per schedule "
+                         "(default 15)")
+    group.addoption("--replay", default=None, metavar="FILE",
+                    help="random game days: replay the schedule of this journal (or of a "
+                         "shrunk schedule's file) instead of drawing one")
+    group.addoption("--shrink-runs", type=int, default=8,
+                    help="random game days: at most this many game days to shrink a failing "
+                         "schedule with (0: do not shrink; default 8)")
 
 
 def _image() -> str:
@@ -114,6 +127,11 @@ def _platform_admin(config: pytest.Config) -> tuple[str, str] | None:
     email, password = (config.getoption("--target-platform-email"),
                        config.getoption("--target-platform-password"))
     return (email, password) if email and password else None
+
+
+def run_seed(config: pytest.Config) -> int:
+    """The run's seed: `--seed`, or one drawn once per run (and printed in the header)."""
+    return _seed(config)
 
 
 def _seed(config: pytest.Config) -> int:
@@ -306,9 +324,9 @@ def chosen_checkers(node: pytest.Item | pytest.Collector, required: frozenset[st
     catalogue's order; the default set when it names none."""
     names = marked_checkers(node, CHECKERS_MARK)
     if not names:
-        return tuple(dict.fromkeys([*CHECKERS, *(c for c in ALL_CHECKERS
+        return tuple(dict.fromkeys([*CHECKERS, *(c for c in CATALOGUE
                                                   if c.__name__ in required)]))
-    return tuple(c for c in ALL_CHECKERS if c.__name__ in names | required)
+    return tuple(c for c in CATALOGUE if c.__name__ in names | required)
 
 
 def chosen_measures(node: pytest.Item | pytest.Collector) -> dict[str, Measure]:

@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 from collections.abc import Collection, Iterable
 
-from harness.checkers import ALL_CHECKERS, Verdict
+from harness.checkers import Verdict
 from harness.history import Event, History
+from harness.switch_checkers import CATALOGUE
 
-KNOWN_CHECKERS = frozenset(c.__name__ for c in ALL_CHECKERS)
+KNOWN_CHECKERS = frozenset(c.__name__ for c in CATALOGUE)
 EVENTS_SHOWN = 8
 VALUE_CHARS = 200
 

@@ -109,3 +109,30 @@ async def test_an_idle_parked_sandbox_really_falls_asleep(
         synced = await world.db.fetchval("SELECT last_sync_at FROM sandboxes WHERE id=$1",
                                          uuid.UUID(gone["id"]))
         assert synced is not None
+
+
+async def test_a_warm_sandbox_falling_asleep_after_a_kill_is_evicted_not_parked(
+        lworld: World) -> None:
+    """A daemon that finished just as the kill came exits after the kill's evictWarm ran:
+    parked then, the killed agent kept a warm sandbox (and its unsynced work) for the next
+    session after resume. Its parking asks the flags under the agent's lock."""
+    world = lworld
+    orch = world.plane.app.state.orchestrator
+    kept, killed = await world.agent(warm_sandbox=True), await world.agent(warm_sandbox=True)
+    boxes = {}
+    for agent in (kept, killed):
+        boxes[agent["id"]] = uuid.uuid4()
+        # A sandbox whose daemon is exiting cleanly: still running when the kill comes.
+        await orch.pool.execute(
+            "INSERT INTO sandboxes (id, agent_id, backend, daemon_token_hash, token_expires_at,"
+            " node, state) VALUES ($1, $2, 'process', 'x', now(), $3, 'running')",
+            boxes[agent["id"]], uuid.UUID(agent["id"]), orch.runner.node)
+    r = await world.security.post(f"/api/v1/agents/{killed['id']}/kill")
+    assert r.status_code == 200 and r.json()["evicted_sandboxes"] == []  # nothing parked yet
+
+    assert await orch.park_warm(boxes[kept["id"]], uuid.UUID(kept["id"])) is True
+    assert await orch.park_warm(boxes[killed["id"]], uuid.UUID(killed["id"])) is False
+    states = {a["id"]: [(s["state"], s["ended_at"] is not None)
+                        for s in await _sandboxes(world, a["id"])] for a in (kept, killed)}
+    assert states == {kept["id"]: [("parked", False)], killed["id"]: [("evicted", True)]}, (
+        f"a warm sandbox of a killed agent was parked for reuse: {states}")

@@ -1,0 +1,9 @@
+"""The generator (Jepsen's fifth role): what happens when, in a game day nobody scripted.
+
+* `schedule`: a seeded schedule of operations by the game day's people (kills, resumes, new
+  tasks, triggers, heartbeat fires, wakes, task changes) interleaved with faults, as plain
+  data that goes into the journal and replays exactly;
+* `faults`: the registry of named fault actions the schedule draws from;
+* `play`: runs a schedule on a game day, every operation through the recording client;
+* `shrink`: delta debugging of a failing schedule down to a minimal one that still fails.
+"""

@@ -1,0 +1,212 @@
+"""Playing a schedule on a game day: its agents set up, each step at its time through the
+recording client (`day.as_(role)`) or the fault registry, then the incident ends (faults
+healed, agents behave, every switch released) and the work is given time to finish, so that
+the checkers judge a history that has settled.
+
+The player records and never judges: a refused call, a fault with nothing to act on, a
+request nobody knows the outcome of are all history, and the schedule goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from harness.checkers import Verdict
+from harness.client import json_of
+from harness.gameday import GameDay
+from harness.generator.faults import FAULTS, FaultSkipped
+from harness.generator.schedule import Schedule, Step
+from harness.rollback import roll_back
+from harness.steady import prepare
+
+GENERATOR = "generator"
+HEARTBEAT = "hourly"
+# rm_rf repeats one call forever: with the loop detector out of reach it runs until a switch.
+GUARDS: dict[str, dict[str, Any]] = {"rm_rf": {"loop_window": 1000, "loop_repeats": 1000}}
+FINISHED = ("done", "failed")
+
+
+@dataclass
+class Played:
+    """What a schedule did to the game day, for the journal and the soak's figures."""
+
+    operations: int = 0
+    faults: int = 0
+    skipped: int = 0
+    tasks_created: int = 0
+    unsettled: str | None = None  # why the work did not finish after the incident, if not
+
+    def to_json(self) -> dict[str, Any]:
+        return {"operations": self.operations, "faults": self.faults, "skipped": self.skipped,
+                "tasks_created": self.tasks_created, "unsettled": self.unsettled}
+
+
+async def set_up(day: GameDay, schedule: Schedule) -> list[dict[str, Any]]:
+    """The schedule's agents, each with a heartbeat to fire and its first tasks."""
+    agents = []
+    for plan in schedule.agents:
+        agent = await day.agent(plan.behaviour, warm=plan.warm,
+                                guard=GUARDS.get(plan.behaviour))
+        json_of(await day.people["org_admin"].add_heartbeat(agent["id"], HEARTBEAT,
+                                                            "heartbeat", 3600), 201)
+        for _ in range(plan.tasks):
+            await day.task(agent["id"])
+        agents.append(agent)
+    return agents
+
+
+async def _task_of(day: GameDay, agent_id: str, index: int) -> str | None:
+    tasks = sorted(json_of(await day.people["auditor"].backlog(agent_id)),
+                   key=lambda t: (t["created_at"], t["id"]))
+    return str(tasks[index % len(tasks)]["id"]) if tasks else None
+
+
+async def _operation(day: GameDay, agents: list[dict[str, Any]], step: Step
+                     ) -> httpx.Response | None:
+    assert step.role is not None, f"operation {step.name} has no role"
+    who = day.as_(step.role)
+    agent = agents[step.agent] if step.agent is not None else None
+    if step.name in ("kill_fleet", "resume_fleet"):
+        return await (who.kill_fleet() if step.name == "kill_fleet" else who.resume_fleet())
+    assert agent is not None, f"operation {step.name} names no agent"
+    if step.name == "kill_agent":
+        return await who.kill_agent(agent)
+    if step.name == "resume_agent":
+        return await who.resume_agent(agent)
+    if step.name == "create_task":
+        return await who.create_task(agent)
+    if step.name == "trigger":
+        return await who.trigger(agent, day.fake.sentence(nb_words=3))
+    if step.name == "fire_heartbeat":
+        return await who.fire_heartbeat(agent, HEARTBEAT)
+    if step.name == "wake":
+        return await who.wake(agent)
+    if step.name == "change_task":
+        task_id = await _task_of(day, agent["id"], int(step.params.get("task", 0)))
+        if task_id is None:
+            return None
+        return await who.change_task(agent, task_id, priority=int(step.params["priority"]))
+    raise ValueError(f"the player knows no operation {step.name!r}")
+
+
+async def _fault(day: GameDay, agents: list[dict[str, Any]], step: Step) -> bool:
+    params = dict(step.params)
+    if step.agent is not None:
+        params["agent_id"] = agents[step.agent]["id"]
+    invoke = day.history.invoke("nemesis", "fault", {"name": step.name, **params})
+    try:
+        record = await FAULTS[step.name].apply(day, params)
+    except FaultSkipped as skipped:
+        day.history.complete(invoke, "fail", {"skipped": str(skipped)})
+        return False
+    except Exception as exc:  # the fault may or may not stand: the nemesis's log will say
+        day.history.complete(invoke, "info", {"error": repr(exc)})
+        return False
+    day.history.complete(invoke, "ok", {"fault": record})
+    return True
+
+
+async def apply(day: GameDay, agents: list[dict[str, Any]], index: int, step: Step,
+                played: Played) -> None:
+    """One step, recorded (`generator step` names it, then its operation or fault)."""
+    day.history.observe(GENERATOR, "step", {"index": index, "kind": step.kind,
+                                            "name": step.name, "role": step.role,
+                                            "agent": step.agent, "params": step.params})
+    if step.kind == "fault":
+        if await _fault(day, agents, step):
+            played.faults += 1
+        else:
+            played.skipped += 1
+        return
+    kill = step.name in ("kill_agent", "kill_fleet")
+    if kill:
+        await day.read_tasks()  # what was in progress, for in_progress_requeued
+    try:
+        r = await _operation(day, agents, step)
+    except httpx.HTTPError:
+        played.operations += 1  # recorded as info: it may have taken effect
+        return
+    if r is None:
+        played.skipped += 1
+        day.history.observe(GENERATOR, "skipped", {"index": index, "why": "no task to change"})
+        return
+    played.operations += 1
+    if r.is_success and step.name in ("create_task", "trigger", "fire_heartbeat"):
+        played.tasks_created += 1
+    if kill and r.is_success:
+        await day.read_tasks()  # requeued once the kill answered
+
+
+async def settle(day: GameDay, agents: list[dict[str, Any]], deadline_s: float) -> str | None:
+    """End the incident: heal the faults, let the agents behave, release every switch, and
+    wait until every task is done or failed. Returns why it did not, or None."""
+    await day.endpoints.nemesis.heal_all()
+    for agent in agents:
+        await day.endpoints.puppet.assign(agent["id"], "well_behaved")
+    security = day.as_("security")
+    for attempt in range(3):  # a resume refused by a passing fault is tried again
+        try:
+            await security.resume_fleet()
+            for agent in agents:
+                if json_of(await day.people["auditor"].agent(agent["id"]))["killed"]:
+                    await security.resume_agent(agent)
+            break
+        except httpx.HTTPError:
+            await asyncio.sleep(1 + attempt)
+    deadline = time.monotonic() + deadline_s
+    left: list[str] = []
+    while time.monotonic() < deadline:
+        tasks = await day.read_tasks()
+        left = [f"{t['id']} ({t['state']})" for t in tasks.values() if t["state"] not in FINISHED]
+        if not left:
+            return None
+        await asyncio.sleep(0.5)
+    return (f"{len(left)} tasks were not finished {deadline_s:.0f} s after the incident "
+            f"ended: {', '.join(left[:5])}")
+
+
+async def play(day: GameDay, schedule: Schedule, *, settle_s: float = 90) -> Played:
+    """Run `schedule` on `day`: set-up, every step at its time, then the settling."""
+    day.journal_sections["schedule"] = schedule.to_json()
+    agents = await set_up(day, schedule)
+    played = Played()
+    start = time.monotonic()
+    for index, step in enumerate(schedule.steps):
+        wait = start + step.at_s - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)  # the schedule's clock, not a wait for an outcome
+        await apply(day, agents, index, step, played)
+    remaining = start + schedule.duration_s - time.monotonic()
+    if remaining > 0:
+        await asyncio.sleep(remaining)
+    played.unsettled = await settle(day, agents, settle_s)
+    if played.unsettled is not None:
+        day.notes.append(played.unsettled)
+    day.journal_sections["generator"] = played.to_json()
+    return played
+
+
+async def verdicts_of(like: GameDay, schedule: Schedule, *, settle_s: float = 90
+                      ) -> list[Verdict]:
+    """Play `schedule` as a game day of its own on `like`'s stack (its own organisation where
+    the stack has a platform admin, its own people and agents), judged by `like`'s checkers
+    and rolled back; no journal is written (a shrinking try is not a run of the scenario,
+    and must not become the latest run the regression gate reads)."""
+    day = GameDay(name=f"{like.name} shrinking", stack=like.stack, endpoints=like.endpoints,
+                  seed=like.seed, report_dir=like.report_dir, required=like.required,
+                  scenario=like.scenario, checkers=like.checkers)
+    try:
+        await prepare(day)
+        await play(day, schedule, settle_s=settle_s)
+        verdicts, _, _ = await day.judge()
+        return verdicts
+    finally:
+        try:
+            await roll_back(day)
+        finally:
+            await day.close()
