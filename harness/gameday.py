@@ -6,6 +6,7 @@ The scenario does; this records. Judging is the checkers' job, after the fact.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import platform
@@ -23,7 +24,9 @@ from harness.checkers import (
     CHECKERS,
     FAILING_SERVICE_CALL_F,
     HOME_FILES_F,
+    HOME_SYNC_F,
     KILL_DELIVERY_F,
+    SANDBOX_REMAINS_F,
     SESSION_END_F,
     Checker,
     FinalAgent,
@@ -38,6 +41,7 @@ from harness.measure import TimeToStop, summarize, time_to_stop
 from harness.measures import Measure
 from harness.operator import Operator, Until
 from harness.puppet import Behaviour, behaviour_name, resolve
+from harness.remains import remains_of
 from harness.stack import Endpoints
 from harness.verdicts import broken_rules
 
@@ -272,6 +276,16 @@ class GameDay:
                                                       "files": files})
         return files
 
+    async def remains(self, agent_id: str, record: bool = True) -> list[str] | None:
+        """What of the agent's sandboxes still exists on this machine, looked at directly
+        (harness/remains.py), recorded as a `sandbox_remains` observation; None where the
+        stack's sandboxes are not on this machine."""
+        found = await asyncio.to_thread(remains_of, self.stack, agent_id)
+        if record and found is not None:
+            self.history.observe(OBSERVER, SANDBOX_REMAINS_F,
+                                 {"agent_id": agent_id, "remains": found})
+        return found
+
     async def sandboxes(self, agent_id: str) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = json_of(await self.people["auditor"].sandboxes(agent_id))
         return rows
@@ -293,16 +307,24 @@ class GameDay:
                                      time_ns=at_ns)
 
     async def copy_sandboxes_and_sessions(self) -> None:
-        """Daemon exits, sandboxes gone and sessions started, at the control plane's times."""
+        """Daemon exits, sandboxes gone, home syncs and sessions started, each at the time
+        the control plane recorded for it (a control plane that records no time for a part
+        gives no observation of it: the measure then says nothing, rather than a guess)."""
         for agent_id in self.agents:
             for s in await self.sandboxes(agent_id):
-                ended = _ns(s.get("ended_at"))
-                if s["state"] == "gone" and ended is not None:
+                exited, gone = _ns(s.get("daemon_exited_at")), _ns(s.get("gone_at"))
+                synced = _ns(s.get("last_sync_at"))
+                if exited is not None:
                     self.history.observe(f"agent:{agent_id}", "daemon_exit",
                                          {"exit_code": s["exit_code"], "sandbox_id": s["id"]},
-                                         time_ns=ended)
+                                         time_ns=exited)
+                if gone is not None:
                     self.history.observe(f"agent:{agent_id}", "sandbox_gone",
-                                         {"sandbox_id": s["id"]}, time_ns=ended)
+                                         {"sandbox_id": s["id"], "state": s["state"]},
+                                         time_ns=gone)
+                if synced is not None:
+                    self.history.observe(f"agent:{agent_id}", HOME_SYNC_F,
+                                         {"sandbox_id": s["id"]}, time_ns=synced)
             sessions = json_of(await self.people["auditor"].sessions(agent_id))
             for s in sessions:
                 started = _ns(s["started_at"])
