@@ -71,6 +71,24 @@ def kill_delivery(agent_id: str, session: dict[str, Any]) -> dict[str, Any] | No
             "daemon_stop": session.get("daemon_stop")}
 
 
+def sandbox_observations(box: dict[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+    """A sandbox row's parts of time-to-stop, each at the time the control plane recorded
+    for it: its daemon's exit (with the code), when the sandbox was gone, its last home
+    sync. A time the control plane did not record gives no observation: the measure then
+    says nothing rather than a guess (an `ended_at` once stood in for both parts)."""
+    found = []
+    for f, stamp, value in (
+            ("daemon_exit", box.get("daemon_exited_at"),
+             {"exit_code": box.get("exit_code"), "sandbox_id": box["id"]}),
+            ("sandbox_gone", box.get("gone_at"), {"sandbox_id": box["id"],
+                                                  "state": box.get("state")}),
+            (HOME_SYNC_F, box.get("last_sync_at"), {"sandbox_id": box["id"]})):
+        at_ns = _ns(stamp)
+        if at_ns is not None:
+            found.append((f, value, at_ns))
+    return found
+
+
 @dataclass
 class Outcome:
     """What a game day concluded; filled in by the scenario as it goes."""
@@ -307,24 +325,12 @@ class GameDay:
                                      time_ns=at_ns)
 
     async def copy_sandboxes_and_sessions(self) -> None:
-        """Daemon exits, sandboxes gone, home syncs and sessions started, each at the time
-        the control plane recorded for it (a control plane that records no time for a part
-        gives no observation of it: the measure then says nothing, rather than a guess)."""
+        """Daemon exits, sandboxes gone, home syncs and sessions started, at the control
+        plane's times."""
         for agent_id in self.agents:
-            for s in await self.sandboxes(agent_id):
-                exited, gone = _ns(s.get("daemon_exited_at")), _ns(s.get("gone_at"))
-                synced = _ns(s.get("last_sync_at"))
-                if exited is not None:
-                    self.history.observe(f"agent:{agent_id}", "daemon_exit",
-                                         {"exit_code": s["exit_code"], "sandbox_id": s["id"]},
-                                         time_ns=exited)
-                if gone is not None:
-                    self.history.observe(f"agent:{agent_id}", "sandbox_gone",
-                                         {"sandbox_id": s["id"], "state": s["state"]},
-                                         time_ns=gone)
-                if synced is not None:
-                    self.history.observe(f"agent:{agent_id}", HOME_SYNC_F,
-                                         {"sandbox_id": s["id"]}, time_ns=synced)
+            for box in await self.sandboxes(agent_id):
+                for f, value, at_ns in sandbox_observations(box):
+                    self.history.observe(f"agent:{agent_id}", f, value, time_ns=at_ns)
             sessions = json_of(await self.people["auditor"].sessions(agent_id))
             for s in sessions:
                 started = _ns(s["started_at"])
