@@ -249,15 +249,16 @@ class GameDay:
                     "task_id": t["id"], "state": t["state"], "agent_id": agent_id})
         return tasks
 
-    async def why_work_cannot_finish(self) -> str | None:
+    async def why_work_cannot_finish(self, agents: list[str] | None = None) -> str | None:
         """Why this game day's unfinished tasks cannot all end done without a human, or None
         while they still can: the fleet stop stands, an agent with unfinished work is
         stopped, or a task ended where nothing requeues it (failed, cancelled, blocked).
-        Nothing in a game day resumes on its own: that is the scenario's operators' job."""
+        Nothing in a game day resumes on its own: that is the scenario's operators' job.
+        `agents`: only these agents' work (default: every agent of the game day)."""
         auditor = self.people["auditor"]
         if json_of(await auditor.fleet())["fleet_killed"]:
             return "the fleet stop stands and nobody will resume it"
-        for agent_id in self.agents:
+        for agent_id in self.agents if agents is None else agents:
             tasks = json_of(await auditor.backlog(agent_id))
             stuck = [t for t in tasks if t["state"] in ("failed", "cancelled", "blocked")]
             if stuck:

@@ -137,9 +137,11 @@ class Until:
             tasks = await self.day.read_tasks()
             busy = {t["agent_id"] for t in tasks.values() if t["state"] == "in_progress"}
             return tasks if ids <= busy else None
+        # Only these agents' work: one killed beside them (on purpose) does not make their
+        # getting to work impossible.
         found: dict[str, dict[str, Any]] = await eventually(
             working, deadline_s, "the agents never all got to work on their tasks",
-            impossible=self.day.why_work_cannot_finish)
+            impossible=lambda: self.day.why_work_cannot_finish(sorted(ids)))
         return found
 
     async def all_tasks_done(self, deadline_s: float = 120) -> dict[str, dict[str, Any]]:
