@@ -110,11 +110,15 @@ class Instruments:
     def hit(self, instrument: str, handle: str) -> None:
         """Blocking: run it in a thread. Returns when the command would return."""
         if self.docker is not None:
-            container = self.docker.containers.get(handle)
-            if instrument == "docker kill":
-                container.kill()
-            else:
-                container.stop(timeout=int(STOP_TIMEOUT_S))
+            import docker.errors
+
+            # Gone already (it ended on its own meanwhile): the sample says so by its times.
+            with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+                container = self.docker.containers.get(handle)
+                if instrument == "docker kill":
+                    container.kill()
+                else:
+                    container.stop(timeout=int(STOP_TIMEOUT_S))
             return
         pgid = int(handle)
         with contextlib.suppress(ProcessLookupError):
@@ -326,13 +330,26 @@ async def run_all(options: argparse.Namespace) -> list[Run]:
                                             lease_ms=options.lease_ms))
             print(f"{name}, {n} agents (load {load_average()})", flush=True)
             runs.append(await one_run(stack, n, options))
+            print(render(runs[-1:]), flush=True)  # each run's figures as soon as it ends
+            if options.json:
+                write_json(options, runs)
     return runs
+
+
+def write_json(options: argparse.Namespace, runs: list[Run]) -> None:
+    options.json.parent.mkdir(parents=True, exist_ok=True)
+    options.json.write_text(json.dumps({
+        "command": options.command, "started_at": options.started_at,
+        "ended_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine(), "image": options.image,
+        "runs": [asdict(r) for r in runs]}, indent=2, default=str) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     options = parse_options(argv)
-    command = "python -m benchmarks.rm_rf " + " ".join(sys.argv[1:] if argv is None else argv)
-    started = datetime.now(UTC).isoformat(timespec="seconds")
+    options.command = "python -m benchmarks.rm_rf " + " ".join(
+        sys.argv[1:] if argv is None else argv)
+    options.started_at = datetime.now(UTC).isoformat(timespec="seconds")
 
     async def bounded() -> list[Run]:
         async with asyncio.timeout(options.max_seconds):
@@ -340,13 +357,6 @@ def main(argv: list[str] | None = None) -> int:
 
     runs = asyncio.run(bounded())
     print(render(runs))
-    if options.json:
-        options.json.parent.mkdir(parents=True, exist_ok=True)
-        options.json.write_text(json.dumps({
-            "command": command.strip(), "started_at": started,
-            "ended_at": datetime.now(UTC).isoformat(timespec="seconds"),
-            "machine": machine(), "image": options.image,
-            "runs": [asdict(r) for r in runs]}, indent=2, default=str) + "\n")
     return 0
 
 
