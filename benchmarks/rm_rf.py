@@ -54,6 +54,7 @@ INSTRUMENTS = ("switch", "docker kill", "docker stop")
 PARTS = ("answered", "last_action", "daemon_exit", "sandbox_gone")
 NO_LOOP_TRIP = {"loop_window": 1000, "loop_repeats": 1000}
 STOP_TIMEOUT_S = 10.0  # docker stop's default, and its equal on the processes stack
+MOMENT_ATTEMPTS = 5  # sandboxes that may end on their own before one reaches the moment
 
 
 @dataclass
@@ -151,14 +152,20 @@ async def stop_one(day: GameDay, tools: Instruments, agent_id: str, instrument: 
     ended on its own all the same is counted apart (`ended_before_the_request`)."""
     puppet = day.endpoints.puppet
     at: int = options.at
-    box = await live_sandbox(day, agent_id, options.timeout)
-    since = _ns(box["created_at"]) or 0
+    for _ in range(MOMENT_ATTEMPTS):
+        box = await live_sandbox(day, agent_id, options.timeout)
+        since = _ns(box["created_at"]) or 0
 
-    async def at_moment() -> bool:
-        return sum(1 for e in await puppet.actions(agent_id)
-                   if is_rm(e) and e.at_ns >= since) >= at
-    await eventually(at_moment, options.timeout, f"agent {agent_id} never reached rm call "
-                     f"{at} in its sandbox", interval=0.2)
+        async def at_moment(since: int = since) -> bool:
+            return sum(1 for e in await puppet.actions(agent_id)
+                       if is_rm(e) and e.at_ns >= since) >= at
+        await eventually(at_moment, options.timeout, f"agent {agent_id} never reached rm "
+                         f"call {at} in its sandbox", interval=0.3)
+        # One look at the control plane's row: a sandbox that ended meanwhile (its daemon
+        # lost its channel or lease on a loaded machine) is not stopped; the next one is.
+        row = next(s for s in await day.sandboxes(agent_id) if s["id"] == box["id"])
+        if row["daemon_exited_at"] is None:
+            break
     t0 = time.time_ns()
     if instrument == "switch":
         json_of(await day.as_("agent_owner").kill_agent(agent_id))
