@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import socket
 import time
@@ -229,8 +230,8 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
         else:
             provider = ProcessProvider(settings.daemon_command, settings.data_dir / "logs")
         orch.runner = Runner(pool, provider, settings.data_dir, node, settings.kill_grace_s,
-                             orch.sandbox_exited, settings.warm_sync_s, settings.warm_idle_s,
-                             park=orch.park_warm)
+                             orch.sandbox_exited, settings.warm_sync_s, settings.warm_idle_s)
+        orch.hand_over = functools.partial(daemon.hand_over, orch)
         app.state.orchestrator = orch
         listener = Listener(url, orch, events)
         loops = [
@@ -267,7 +268,10 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
         except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
             raise errors.ApiError(503, "Database unreachable",
                                   f"Kills cannot be recorded until it is back: {exc}") from None
-        return {"ok": True, "node": orch.node, "version": __version__}
+        # The lease a daemon holds: how long a cut control channel may leave an agent
+        # running, which a game day against this deployment must know to judge it.
+        return {"ok": True, "node": orch.node, "version": __version__,
+                "lease_ms": orch.settings.lease_ms}
 
     @app.get("/metrics", tags=["system"], response_class=PlainTextResponse)
     async def metrics_endpoint() -> PlainTextResponse:

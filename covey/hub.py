@@ -60,6 +60,15 @@ class DaemonHub:
             link.confirm_kill("lease" if link.last_word == "lease" else "hang_up")
         metrics.daemon_connections.set(len(self._links))
 
+    def move(self, idle_session: UUID, session_id: UUID) -> DaemonLink | None:
+        """A warm sandbox's idle daemon takes up the session of a new wake: its link now
+        speaks for that session (the connection's handler follows the link)."""
+        link = self._links.pop(idle_session, None)
+        if link is not None:
+            link.session_id = session_id
+            self._links[session_id] = link
+        return link
+
     def acknowledge_kill(self, session_id: UUID) -> None:
         link = self._links.get(session_id)
         if link is not None:

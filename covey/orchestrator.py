@@ -30,7 +30,7 @@ import structlog
 from covey import metrics
 from covey.config import Settings
 from covey.db import Connection, Pool, fetch_one, transaction
-from covey.hub import DaemonHub
+from covey.hub import DaemonHub, DaemonLink
 from covey.sandbox import Runner
 from covey.security import new_token, token_hash
 
@@ -225,6 +225,9 @@ class Orchestrator:
         self.node = node
         self.ws_url = ws_url
         self.runner: Runner | None = None
+        # The daemon protocol's side of a warm wake: a connected daemon takes up a session
+        # (covey.api.daemon sets it; the protocol lives there).
+        self.hand_over: Callable[[DaemonLink], Awaitable[None]] | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
     # ---------------------------------------------------------------- waking
@@ -260,24 +263,9 @@ class Orchestrator:
             session_id = uuid4()
             token = new_token("cvd")
             ttl = float(self.settings.daemon_token_ttl_s)
-            # A warm sandbox parked on another node would later sync an older home over
-            # this session's: it goes, its unsynced work with it.
-            await conn.execute(
-                "UPDATE sandboxes SET state='evicted', ended_at=now() WHERE agent_id=$1"
-                " AND state='parked' AND node<>$2", agent_id, self.node)
-            sandbox_id = await conn.fetchval(
-                """
-                UPDATE sandboxes SET state='starting', daemon_token_hash=$3, token_used=false,
-                       token_expires_at=now() + make_interval(secs => $4), parked_at=NULL
-                WHERE id = (SELECT id FROM sandboxes WHERE agent_id=$1 AND state='parked'
-                            AND node=$2 ORDER BY created_at DESC LIMIT 1)
-                RETURNING id
-                """,
-                agent_id, self.node, token_hash(token), ttl,
-            )
-            reuse = sandbox_id is not None
-            if sandbox_id is None:
-                sandbox_id = uuid4()
+            warm, evicted = await self._take_parked(conn, agent_id)
+            sandbox_id = uuid4() if warm is None else warm["id"]
+            if warm is None:
                 await conn.execute(
                     "INSERT INTO sandboxes (id, agent_id, backend, daemon_token_hash,"
                     " token_expires_at, node)"
@@ -292,16 +280,67 @@ class Orchestrator:
             await record(conn, agent_id, session_id, "session", "started", {"path": path})
             await emit_status(conn, row["org_id"], agent_id, "triggered")
         metrics.wakes.labels(path, "started").inc()
-        await self._start_sandbox(agent_id, session_id, sandbox_id, token,
-                                  bool(row["warm_sandbox"]), reuse)
+        if self.runner is not None:
+            await self.runner.discard_evicted(evicted)
+        if warm is not None:
+            await self._hand_over(warm["session_id"], session_id, sandbox_id)
+        else:
+            await self._start_sandbox(agent_id, session_id, sandbox_id, token)
         return WakeResult("started", session_id)
+
+    async def _take_parked(self, conn: Connection, agent_id: UUID
+                           ) -> tuple[asyncpg.Record | None, list[asyncpg.Record]]:
+        """The agent's parked warm sandbox whose idle daemon is connected here, taken for
+        the new session; every other parked sandbox of the agent is evicted (one on another
+        node would later sync an older home over this session's). Returns the sandbox taken
+        (with the session its daemon last ran) and those evicted."""
+        parked = await conn.fetch(
+            "SELECT b.id, b.agent_id, b.node, (SELECT s.id FROM sessions s"
+            " WHERE s.sandbox_id=b.id ORDER BY s.started_at DESC, s.id DESC LIMIT 1)"
+            " AS session_id FROM sandboxes b WHERE b.agent_id=$1 AND b.state='parked'"
+            " ORDER BY b.created_at DESC", agent_id)
+        warm = next((b for b in parked if b["node"] == self.node
+                     and self.runner is not None and self.runner.holds(b["id"])
+                     and b["session_id"] is not None
+                     and self.hub.get(b["session_id"]) is not None), None)
+        evicted = [b for b in parked if warm is None or b["id"] != warm["id"]]
+        if evicted:
+            await conn.execute("UPDATE sandboxes SET state='evicted', ended_at=now()"
+                               " WHERE id = ANY($1::uuid[])", [b["id"] for b in evicted])
+        if warm is not None:
+            await conn.execute("UPDATE sandboxes SET state='running', parked_at=NULL"
+                               " WHERE id=$1", warm["id"])
+        return warm, evicted
+
+    async def _hand_over(self, idle_session: UUID, session_id: UUID, sandbox_id: UUID
+                         ) -> None:
+        """The wake is instant for a warm agent: its parked sandbox's idle daemon takes up
+        the new session over the connection it holds (its configuration, a lease, its
+        task). A daemon gone meanwhile loses the session, which requeues its work."""
+        link = self.hub.move(idle_session, session_id)
+        if link is None or self.hand_over is None:
+            await self.session_lost(session_id, "the warm sandbox's daemon went away")
+            return
+        if self.runner is not None:
+            self.runner.take_up(sandbox_id, session_id)
+        await self.hand_over(link)
+
+    async def tell_idle_to_sleep(self, sandbox_id: UUID) -> bool:
+        """A parked warm sandbox idle past warm_idle_s really falls asleep: its daemon is
+        told `sleep` (exit 0), and its home is synced. False when its daemon is not
+        connected here."""
+        session_id = await self.pool.fetchval(
+            "SELECT id FROM sessions WHERE sandbox_id=$1 ORDER BY started_at DESC, id DESC"
+            " LIMIT 1", sandbox_id)
+        return session_id is not None and await self.hub.send(session_id, "sleep",
+                                                              {"reason": "idle"})
 
     @property
     def _backend(self) -> str:
         return self.runner.backend if self.runner else "none"
 
     async def _start_sandbox(self, agent_id: UUID, session_id: UUID, sandbox_id: UUID,
-                             token: str, warm: bool, reuse: bool) -> None:
+                             token: str) -> None:
         if self.runner is None:
             return
         env = {
@@ -314,7 +353,7 @@ class Orchestrator:
         if self.settings.model_url:
             env["COVEY_MODEL_URL"] = self.settings.model_url
         try:
-            await self.runner.start(env, sandbox_id, agent_id, session_id, warm, reuse)
+            await self.runner.start(env, sandbox_id, agent_id, session_id)
         except Exception as exc:
             log.error("sandbox failed to start", agent_id=str(agent_id), error=str(exc))
             await self.session_lost(session_id, f"sandbox failed to start: {exc}")
@@ -416,28 +455,40 @@ class Orchestrator:
                          {"task_id": str(task_id)})
             return None
 
-    async def end_session(self, session_id: UUID) -> bool:
-        """A clean falling-asleep: the session ends, the agent sleeps."""
+    async def end_session(self, session_id: UUID) -> str | None:
+        """A session out of work ends, the agent sleeps. Returns what its daemon is to do:
+        `sleep` (a real falling-asleep), `park` (a warm agent's sandbox stays up, its daemon
+        connected and idle: covey never sends `sleep` to a warm agent), or None when the
+        session was already over."""
         async with transaction(self.pool) as conn:
             agent_id = await conn.fetchval("SELECT agent_id FROM sessions WHERE id=$1",
                                            session_id)
-            if agent_id is None or await lock_agent(conn, agent_id, write=True) is None:
-                return False
+            agent_row = None if agent_id is None else await lock_agent(conn, agent_id,
+                                                                       write=True)
+            if agent_row is None:
+                return None
             row = await conn.fetchrow(
                 "UPDATE sessions SET state='ended', ended_at=now() WHERE id=$1"
-                " AND state IN ('starting','running') RETURNING agent_id",
+                " AND state IN ('starting','running') RETURNING agent_id, sandbox_id",
                 session_id,
             )
             if row is None:
-                return False
+                return None
+            parked = None
+            if (agent_row["warm_sandbox"] and self.runner is not None
+                    and self.runner.holds(row["sandbox_id"])):
+                parked = await conn.fetchval(
+                    "UPDATE sandboxes SET state='parked', parked_at=now() WHERE id=$1"
+                    " AND state IN ('starting','running') RETURNING id", row["sandbox_id"])
             agent = await conn.fetchrow(
                 "UPDATE agents SET status='sleeping' WHERE id=$1 AND NOT killed"
                 " RETURNING org_id", row["agent_id"],
             )
-            await record(conn, row["agent_id"], session_id, "session", "ended", {})
+            await record(conn, row["agent_id"], session_id, "session", "ended",
+                         {"parked": parked is not None})
             if agent is not None:
                 await emit_status(conn, agent["org_id"], row["agent_id"], "sleeping")
-        return True
+        return "sleep" if parked is None else "park"
 
     async def session_lost(self, session_id: UUID, why: str) -> list[UUID]:
         """The daemon went away without a clean end: requeue its task, counting retries.
@@ -558,25 +609,6 @@ class Orchestrator:
             return False
         state = await self.pool.fetchval("SELECT state FROM sessions WHERE id=$1", session_id)
         return bool(state == "ended")
-
-    async def park_warm(self, sandbox_id: UUID, agent_id: UUID) -> bool:
-        """Park a warm sandbox whose daemon fell asleep, unless a switch stopped its agent:
-        then it is evicted, as the kill would have evicted it parked. A daemon that finished
-        just as the kill came exits after the kill's evictWarm has run; parked then, it kept
-        the killed agent's unsynced work for the next session after resume (a random game
-        day found it). The agent's lock orders the two: a kill waits for this transaction,
-        or this one sees the kill's flag."""
-        async with transaction(self.pool) as conn:
-            row = await lock_agent(conn, agent_id, write=False)
-            if row is not None and not row["stopped"]:
-                parked = await conn.fetchval(
-                    "UPDATE sandboxes SET state='parked', handle=NULL, parked_at=now()"
-                    " WHERE id=$1 AND state='running' RETURNING id", sandbox_id)
-                return parked is not None
-            await conn.execute(
-                "UPDATE sandboxes SET state='evicted', handle=NULL, ended_at=now()"
-                " WHERE id=$1 AND state='running'", sandbox_id)
-        return False
 
     # ---------------------------------------------------------------- switches
 
@@ -971,7 +1003,7 @@ class Orchestrator:
         if ids:
             await self.wake_many(sorted(ids), "tick")
         if self.runner is not None:
-            await self.runner.maintain_parked()
+            await self.runner.maintain_parked(self.tell_idle_to_sleep)
 
     async def renew_leases(self, session_ids: list[UUID] | None = None) -> None:
         """Renew the lease of every daemon connected here (or of these) whose agent may

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import shutil
 import signal
@@ -12,6 +13,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 from uuid import UUID, uuid4
@@ -32,6 +34,14 @@ class SandboxSpec:
     env: dict[str, str]
 
 
+@dataclass(frozen=True)
+class DaemonExit:
+    """How and when a sandbox's daemon ended, as its backend saw it."""
+
+    code: int
+    at_ns: int  # wall clock: the process reaped, the container's `die`
+
+
 class SandboxProvider(Protocol):
     name: str
 
@@ -39,12 +49,17 @@ class SandboxProvider(Protocol):
         """Start the sandbox and its daemon; return the backend's handle."""
         ...
 
-    async def wait(self, handle: str) -> int:
-        """Wait until the sandbox's daemon has exited; return its exit code."""
+    async def wait(self, handle: str) -> DaemonExit:
+        """Wait until the sandbox's daemon has exited; its code and when."""
+        ...
+
+    async def remove(self, handle: str) -> None:
+        """Once its daemon has exited, remove what is left of the sandbox (processes it
+        started, the container); returns when nothing of it is left."""
         ...
 
     async def destroy(self, handle: str) -> None:
-        """Remove the sandbox now, whatever its daemon is doing."""
+        """End the sandbox's daemon now, whatever it is doing."""
         ...
 
     async def close(self) -> None:
@@ -58,8 +73,71 @@ PROCESS_BASE_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHO
                     "VIRTUAL_ENV", "SSL_CERT_FILE", "SSL_CERT_DIR")
 
 
+# A process of a sandbox carries its sandbox's id in its environment, inherited by whatever
+# it starts: the shell tool runs each command in a session of its own, so neither process
+# group nor session finds those once coveyd is gone (SIGKILLed after its grace, a command
+# it started kept deleting files).
+SANDBOX_MARKER = "COVEY_SANDBOX_ID"
+REMOVE_DEADLINE_S = 10.0
+
+
+def _marker(sandbox_id: UUID | str) -> bytes:
+    return f"{SANDBOX_MARKER}={sandbox_id}".encode()
+
+
+def processes_marked(markers: frozenset[bytes]) -> dict[bytes, list[int]]:
+    """The live processes whose environment carries one of `markers` (zombies have none).
+    Linux's /proc; elsewhere nothing is found and process groups are all there is."""
+    found: dict[bytes, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        for variable in environ.split(b"\0"):
+            if variable in markers:
+                found.setdefault(variable, []).append(int(entry))
+    return found
+
+
+class ProcessTable:
+    """One pass over the process table serves every sandbox waiting to be gone at that
+    moment: a fleet kill reaps hundreds of sandboxes at once."""
+
+    def __init__(self) -> None:
+        self._wanted: set[bytes] = set()
+        self._next: asyncio.Future[dict[bytes, list[int]]] | None = None
+        self._scans: set[asyncio.Task[None]] = set()
+
+    async def holders(self, marker: bytes) -> list[int]:
+        self._wanted.add(marker)
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+            scan = asyncio.ensure_future(self._scan(self._next))
+            self._scans.add(scan)
+            scan.add_done_callback(self._scans.discard)
+        found = await asyncio.shield(self._next)
+        return found.get(marker, [])
+
+    async def _scan(self, result: asyncio.Future[dict[bytes, list[int]]]) -> None:
+        await asyncio.sleep(0)  # the callers of this turn of the loop share the pass
+        wanted, self._wanted, self._next = frozenset(self._wanted), set(), None
+        try:
+            result.set_result(await asyncio.to_thread(processes_marked, wanted))
+        except Exception as exc:
+            result.set_exception(exc)
+
+
 class ProcessProvider:
-    """One `coveyd` subprocess per sandbox, in its own process group and home directory."""
+    """One `coveyd` subprocess per sandbox, in its own process group and home directory.
+    The sandbox is gone once no process carrying its marker is left."""
 
     name = "process"
 
@@ -67,6 +145,8 @@ class ProcessProvider:
         self._command = command
         self._log_dir = log_dir
         self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._markers: dict[str, bytes] = {}
+        self._table = ProcessTable()
 
     async def start(self, spec: SandboxSpec) -> str:
         spec.home.mkdir(parents=True, exist_ok=True)
@@ -86,15 +166,36 @@ class ProcessProvider:
             )
         handle = str(proc.pid)
         self._procs[handle] = proc
+        self._markers[handle] = _marker(spec.sandbox_id)
         return handle
 
-    async def wait(self, handle: str) -> int:
+    async def wait(self, handle: str) -> DaemonExit:
         proc = self._procs.get(handle)
         if proc is None:
-            return -1
-        code = await proc.wait()
+            return DaemonExit(-1, time.time_ns())
+        code = await proc.wait()  # the child watcher reaps it the moment it exits
+        at_ns = time.time_ns()
         self._procs.pop(handle, None)
-        return code
+        return DaemonExit(code, at_ns)
+
+    async def remove(self, handle: str) -> None:
+        """Kill what the daemon left running (its group, then anything carrying the
+        sandbox's marker) until nothing is left. Bounded: a process that survives SIGKILL
+        this long is reported, not waited for."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(int(handle), signal.SIGKILL)
+        marker = self._markers.pop(handle, None)
+        if marker is None:
+            return
+        deadline = time.monotonic() + REMOVE_DEADLINE_S
+        while left := await self._table.holders(marker):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes {left} of the sandbox survived SIGKILL for "
+                                   f"{REMOVE_DEADLINE_S:.0f}s")
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            await asyncio.sleep(0.01)
 
     async def destroy(self, handle: str) -> None:
         proc = self._procs.get(handle)
@@ -108,9 +209,20 @@ class ProcessProvider:
             await self.destroy(handle)
 
 
-def _resolve(future: asyncio.Future[int], code: int) -> None:
+def _resolve(future: asyncio.Future[DaemonExit], exit_: DaemonExit) -> None:
     if not future.done():
-        future.set_result(code)
+        future.set_result(exit_)
+
+
+def docker_time_ns(stamp: str) -> int:
+    """The engine's RFC 3339 timestamps carry nanoseconds, more than datetime parses."""
+    try:
+        whole, _, rest = stamp.rstrip("Z").partition(".")
+        digits = "".join(itertools.takewhile(str.isdigit, rest))
+        seconds = datetime.fromisoformat(whole).replace(tzinfo=UTC).timestamp()
+        return int(seconds) * 1_000_000_000 + int((digits + "000000000")[:9])
+    except ValueError:
+        return time.time_ns()
 
 
 class DockerProvider:
@@ -133,7 +245,7 @@ class DockerProvider:
         self._pids = pids
         self._log_dir = log_dir
         self._sandbox_of: dict[str, UUID] = {}
-        self._dying: dict[str, asyncio.Future[int]] = {}
+        self._dying: dict[str, asyncio.Future[DaemonExit]] = {}
         self._closed = False
         self._events_thread: threading.Thread | None = None
 
@@ -163,28 +275,30 @@ class DockerProvider:
         self._sandbox_of[handle] = spec.sandbox_id
         return handle
 
-    async def wait(self, handle: str) -> int:
+    async def wait(self, handle: str) -> DaemonExit:
         """One thread follows the engine's `die` events for every sandbox; waiting costs no
-        thread per container (a fleet kill stops hundreds at once)."""
+        thread per container (a fleet kill stops hundreds at once). The exit is the
+        engine's own time of the death, not when we heard of it."""
         import docker.errors
 
         loop = asyncio.get_running_loop()
-        died: asyncio.Future[int] = loop.create_future()
+        died: asyncio.Future[DaemonExit] = loop.create_future()
         self._dying[handle] = died
         self._ensure_events(loop)
         try:
             state = await asyncio.to_thread(
                 lambda: self._client.containers.get(handle).attrs["State"])
             if not state.get("Running") and state.get("Status") in ("exited", "dead"):
-                code = int(state.get("ExitCode", -1))
-            else:
-                code = await died
+                return DaemonExit(int(state.get("ExitCode", -1)),
+                                  docker_time_ns(str(state.get("FinishedAt", ""))))
+            return await died
         except docker.errors.NotFound:
-            code = -1
+            return DaemonExit(-1, time.time_ns())
         finally:
             self._dying.pop(handle, None)
+
+    async def remove(self, handle: str) -> None:
         await asyncio.to_thread(self._remove, handle)
-        return code
 
     def _remove(self, handle: str) -> None:
         """Keep the daemon's log (as the process backend does), then remove the container."""
@@ -212,9 +326,10 @@ class DockerProvider:
             for event in events:
                 handle = event.get("id", "")
                 code = int(event.get("Actor", {}).get("Attributes", {}).get("exitCode", -1))
+                at_ns = int(event.get("timeNano") or time.time_ns())
                 future = self._dying.get(handle)
                 if future is not None:
-                    loop.call_soon_threadsafe(_resolve, future, code)
+                    loop.call_soon_threadsafe(_resolve, future, DaemonExit(code, at_ns))
 
         self._events_thread = threading.Thread(target=follow, name="docker-events",
                                                daemon=True)
@@ -249,9 +364,6 @@ class DockerProvider:
 # Told that a sandbox's daemon exited, the orchestrator settles the session and answers
 # whether it ended cleanly (a real falling-asleep, whose home is worth keeping).
 ExitCallback = Callable[[UUID, UUID, int], Awaitable[bool]]
-# Park a warm sandbox whose daemon fell asleep (sandbox, agent); False when a switch stopped
-# the agent meanwhile and the sandbox was evicted instead (the orchestrator decides).
-ParkCallback = Callable[[UUID, UUID], Awaitable[bool]]
 
 EVIDENCE_KEPT = 5  # homes of killed or lost sandboxes kept per agent, newest first
 
@@ -278,11 +390,17 @@ class Runner:
     """The sandbox lifecycle, the same for every backend (DESIGN §2.5).
 
     An agent's home (`homes/<agent>`) is the state of its last sync. A sandbox works in a
-    copy of it (restored at start); a real falling-asleep syncs the copy back. With
-    warm_sandbox the copy is parked instead, and synced in the background at most every
-    `warm_sync_s`; the next wake reuses it; after `warm_idle_s` it really falls asleep. A kill
-    evicts a parked sandbox and syncs nothing: what the home keeps is the last sync (the price
-    the harness measures). Homes of killed sandboxes are kept as evidence, a few per agent.
+    copy of it (restored at start); a real falling-asleep syncs the copy back. A warm
+    agent's sandbox stays up between sessions, as covey's does: its daemon stays connected
+    and idle (parked), the next wake hands it the new session at once, its copy is synced
+    in the background at most every `warm_sync_s`, and after `warm_idle_s` it really falls
+    asleep. A kill evicts a parked sandbox (tears the live sandbox down) and syncs nothing:
+    what the home keeps is the last sync (the price the harness measures). Homes of killed
+    sandboxes are kept as evidence, a few per agent.
+
+    Each sandbox row records when its daemon exited (with the code), when the sandbox was
+    gone (nothing of it left: processes reaped, container removed) and its last sync: the
+    parts time-to-stop is made of, each at the moment it happened.
 
     The kill path never waits for a sandbox: the daemon has been told to stop and exits on
     its own (code 3); the runner gives it `kill_grace_s`, then destroys the sandbox.
@@ -298,8 +416,6 @@ class Runner:
         on_exit: ExitCallback,
         warm_sync_s: float = 300.0,
         warm_idle_s: float = 900.0,
-        *,
-        park: ParkCallback,
     ) -> None:
         self._pool = pool
         self._provider = provider
@@ -308,19 +424,25 @@ class Runner:
         self.node = node
         self._grace = kill_grace_s
         self._on_exit = on_exit
-        self._park = park
         self.warm_sync_s = warm_sync_s
         self.warm_idle_s = warm_idle_s
         self._handles: dict[UUID, str] = {}
+        self._session_of: dict[UUID, UUID] = {}  # a warm sandbox takes up session after session
+        self._evicting: set[UUID] = set()
         self._exited: dict[UUID, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        # Exits come in bursts (a fleet kill): their rows are written a batch at a time.
+        # Exits come in bursts (a fleet kill): their rows are written a batch at a time,
+        # each with the time it happened, not the time its batch was written.
         self._record_exit = BatchedWrite(
-            pool, "UPDATE sandboxes s SET exit_code=x.code"
-                  " FROM unnest($1::uuid[], $2::int[]) AS x(id, code) WHERE s.id=x.id")
+            pool, "UPDATE sandboxes s SET exit_code=x.code, daemon_exited_at=x.at"
+                  " FROM unnest($1::uuid[], $2::int[], $3::timestamptz[]) AS x(id, code, at)"
+                  " WHERE s.id=x.id")
         self._record_gone = BatchedWrite(
-            pool, "UPDATE sandboxes SET state='gone', ended_at=now()"
-                  " WHERE id = ANY($1::uuid[]) AND state IN ('starting','running')")
+            pool, "UPDATE sandboxes s SET gone_at=x.at,"
+                  " ended_at=COALESCE(s.ended_at, x.at, now()),"
+                  " state=CASE WHEN s.state IN ('starting','running','parked') THEN 'gone'"
+                  " ELSE s.state END"
+                  " FROM unnest($1::uuid[], $2::timestamptz[]) AS x(id, at) WHERE s.id=x.id")
 
     @property
     def backend(self) -> str:
@@ -332,45 +454,69 @@ class Runner:
     def workdir_of(self, agent_id: UUID, sandbox_id: UUID) -> Path:
         return self._sandboxes / str(agent_id) / str(sandbox_id)
 
+    def holds(self, sandbox_id: UUID) -> bool:
+        """The sandbox is up, started by this runner (a warm one can be parked and reused)."""
+        return sandbox_id in self._handles and sandbox_id not in self._evicting
+
+    def take_up(self, sandbox_id: UUID, session_id: UUID) -> None:
+        """A parked warm sandbox now runs `session_id`: its exit settles that session."""
+        self._session_of[sandbox_id] = session_id
+
     async def start(self, spec_env: dict[str, str], sandbox_id: UUID, agent_id: UUID,
-                    session_id: UUID, warm: bool, reuse: bool) -> None:
+                    session_id: UUID) -> None:
         work = self.workdir_of(agent_id, sandbox_id)
-        if not (reuse and work.is_dir()):
-            await asyncio.to_thread(_copy_home, self.home_of(agent_id), work)
+        await asyncio.to_thread(_copy_home, self.home_of(agent_id), work)
         spec = SandboxSpec(sandbox_id, agent_id, session_id, work, spec_env)
         self._exited[sandbox_id] = asyncio.Event()
+        self._session_of[sandbox_id] = session_id
         handle = await self._provider.start(spec)
         self._handles[sandbox_id] = handle
         await self._pool.execute(
             "UPDATE sandboxes SET handle=$2, state='running' WHERE id=$1 AND state='starting'",
             sandbox_id, handle,
         )
-        self._spawn(self._watch(sandbox_id, agent_id, session_id, handle, warm))
+        self._spawn(self._watch(sandbox_id, agent_id, handle))
 
-    async def _watch(self, sandbox_id: UUID, agent_id: UUID, session_id: UUID, handle: str,
-                     warm: bool) -> None:
-        code = await self._provider.wait(handle)
-        self._handles.pop(sandbox_id, None)
-        await self._record_exit.write(sandbox_id, code)
-        log.info("sandbox exited", sandbox_id=str(sandbox_id), exit_code=code)
-        clean = await self._on_exit(sandbox_id, session_id, code) and code == 0
-        if clean and warm:
-            if not await self._park(sandbox_id, agent_id):  # evicted while it fell asleep
+    async def _watch(self, sandbox_id: UUID, agent_id: UUID, handle: str) -> None:
+        try:
+            exit_ = await self._provider.wait(handle)
+            self._handles.pop(sandbox_id, None)
+            await self._record_exit.write(sandbox_id, exit_.code, _at(exit_.at_ns))
+            log.info("sandbox exited", sandbox_id=str(sandbox_id), exit_code=exit_.code)
+            gone: datetime | None = None
+            try:
+                await self._provider.remove(handle)
+                gone = _at(time.time_ns())
+            except Exception as exc:  # over, but no gone_at: nobody may read it as gone
+                log.error("sandbox not removed", sandbox_id=str(sandbox_id), error=str(exc))
+            session_id = self._session_of.pop(sandbox_id)
+            clean = await self._on_exit(sandbox_id, session_id, exit_.code) and exit_.code == 0
+            if clean and sandbox_id not in self._evicting:
+                await self.fall_asleep(sandbox_id, agent_id, gone)
+                return
+            # The state changes with gone_at: 'gone' is only ever read with nothing left.
+            await self._record_gone.write(sandbox_id, gone)
+            if sandbox_id in self._evicting:
+                self._evicting.discard(sandbox_id)
                 await self._discard(sandbox_id, agent_id)
-        elif clean:
-            await self.fall_asleep(sandbox_id, agent_id)
-        else:
-            await self._record_gone.write(sandbox_id)
-            await asyncio.to_thread(self._prune_evidence, agent_id)
-        self._exited.pop(sandbox_id, asyncio.Event()).set()
+            else:
+                await asyncio.to_thread(self._prune_evidence, agent_id)
+        finally:
+            self._exited.pop(sandbox_id, asyncio.Event()).set()
 
-    async def fall_asleep(self, sandbox_id: UUID, agent_id: UUID) -> None:
-        """The real falling-asleep: sync the home back, then the sandbox is gone."""
+    async def fall_asleep(self, sandbox_id: UUID, agent_id: UUID,
+                          gone: datetime | None) -> None:
+        """The real falling-asleep: sync the home back (the sandbox is gone, its work
+        still); then its row says gone."""
         work = self.workdir_of(agent_id, sandbox_id)
-        await asyncio.to_thread(_replace_home, work, self.home_of(agent_id))
+        if work.is_dir():  # else discarded meanwhile: an empty copy must not become the home
+            await asyncio.to_thread(_replace_home, work, self.home_of(agent_id))
+        else:
+            log.warning("sandbox fell asleep without its home", sandbox_id=str(sandbox_id))
         await self._pool.execute(
-            "UPDATE sandboxes SET state='gone', ended_at=now(), last_sync_at=now()"
-            " WHERE id=$1", sandbox_id)
+            "UPDATE sandboxes SET state='gone', gone_at=$2, ended_at=COALESCE(ended_at, $2),"
+            " last_sync_at=CASE WHEN $3 THEN now() ELSE last_sync_at END WHERE id=$1",
+            sandbox_id, gone, work.is_dir())
         await asyncio.to_thread(shutil.rmtree, work, True)
 
     async def _discard(self, sandbox_id: UUID, agent_id: UUID) -> None:
@@ -384,35 +530,53 @@ class Runner:
         for old in kept[EVIDENCE_KEPT:]:
             shutil.rmtree(old, ignore_errors=True)
 
-    async def maintain_parked(self) -> None:
-        """Background sync of parked sandboxes (at most every warm_sync_s) and the real
-        falling-asleep of those idle past warm_idle_s. Only this node's sandboxes."""
+    async def maintain_parked(self, tell_to_sleep: Callable[[UUID], Awaitable[bool]]) -> None:
+        """Background sync of parked sandboxes (at most every warm_sync_s), the real
+        falling-asleep of those idle past warm_idle_s (`tell_to_sleep` sends their daemon
+        `sleep`, where it is connected here), and the teardown of evicted ones. Only this
+        node's sandboxes."""
         idle = await self._pool.fetch(
             "UPDATE sandboxes SET state='starting' WHERE state='parked' AND node=$1"
             " AND parked_at < now() - make_interval(secs => $2) RETURNING id, agent_id",
             self.node, self.warm_idle_s,
         )
-        for row in idle:  # 'starting' holds it against reuse while it syncs
-            await self.fall_asleep(row["id"], row["agent_id"])
+        for row in idle:  # 'starting' holds it against reuse while it falls asleep
+            if not await tell_to_sleep(row["id"]):
+                # No daemon to tell: sync what it holds, then end it.
+                await self._sync_parked(row["id"], row["agent_id"], "starting")
+                await self._end_idle(row["id"], row["agent_id"])
         due = await self._pool.fetch(
             "SELECT id, agent_id FROM sandboxes WHERE state='parked' AND node=$1"
             " AND COALESCE(last_sync_at, parked_at) < now() - make_interval(secs => $2)",
             self.node, self.warm_sync_s,
         )
         for row in due:
-            work = self.workdir_of(row["agent_id"], row["id"])
-            try:
-                await asyncio.to_thread(_replace_home, work, self.home_of(row["agent_id"]))
-            except OSError as exc:  # evicted under our feet: nothing to sync any more
-                log.info("parked sandbox vanished during sync", sandbox_id=str(row["id"]),
-                         error=str(exc))
-                continue
-            await self._pool.execute("UPDATE sandboxes SET last_sync_at=now() WHERE id=$1"
-                                     " AND state='parked'", row["id"])
+            await self._sync_parked(row["id"], row["agent_id"], "parked")
         evicted = await self._pool.fetch(
-            "SELECT id, agent_id FROM sandboxes WHERE state='evicted' AND node=$1", self.node)
-        for row in evicted:
-            await self._discard(row["id"], row["agent_id"])
+            "SELECT id, agent_id, node FROM sandboxes WHERE state='evicted' AND node=$1"
+            " AND gone_at IS NULL", self.node)
+        await self.discard_evicted(evicted)
+
+    async def _sync_parked(self, sandbox_id: UUID, agent_id: UUID, state: str) -> None:
+        work = self.workdir_of(agent_id, sandbox_id)
+        try:
+            await asyncio.to_thread(_replace_home, work, self.home_of(agent_id))
+        except OSError as exc:  # evicted under our feet: nothing to sync any more
+            log.info("parked sandbox vanished during sync", sandbox_id=str(sandbox_id),
+                     error=str(exc))
+            return
+        await self._pool.execute("UPDATE sandboxes SET last_sync_at=now() WHERE id=$1"
+                                 " AND state=$2", sandbox_id, state)
+
+    async def _end_idle(self, sandbox_id: UUID, agent_id: UUID) -> None:
+        handle = self._handles.get(sandbox_id)
+        if handle is not None:
+            await self._provider.destroy(handle)
+            return
+        await self._pool.execute(  # nothing of it runs here any more (a restart)
+            "UPDATE sandboxes SET state='gone', ended_at=COALESCE(ended_at, now()),"
+            " gone_at=COALESCE(gone_at, now()) WHERE id=$1", sandbox_id)
+        await self._discard(sandbox_id, agent_id)
 
     def tear_down(self, sandbox_ids: list[UUID], told_to_stop: set[UUID]) -> None:
         """Make sure these sandboxes end. One whose daemon was told to stop gets the grace
@@ -435,11 +599,22 @@ class Runner:
                 await self._provider.destroy(handle)
 
     async def discard_evicted(self, evicted: list[Any]) -> None:
-        """Remove the homes of sandboxes a kill evicted (covey's evictWarm), where they live
-        on this node; their unsynced work is lost, by design."""
+        """Tear down the sandboxes a kill or a wake evicted (covey's evictWarm), where they
+        live on this node: a parked warm sandbox is up, its daemon idle, and is destroyed at
+        once (its row then records the exit and when it was gone); its unsynced work is
+        lost, by design. Returns without waiting for the teardown."""
         for row in evicted:
-            if row["node"] == self.node:
-                await self._discard(row["id"], row["agent_id"])
+            sandbox_id = row["id"]
+            if row["node"] != self.node or sandbox_id in self._evicting:
+                continue
+            handle = self._handles.get(sandbox_id)
+            if handle is None:  # nothing runs: only its copy of the home is left
+                await self._discard(sandbox_id, row["agent_id"])
+                await self._pool.execute("UPDATE sandboxes SET gone_at=now() WHERE id=$1"
+                                         " AND gone_at IS NULL", sandbox_id)
+                continue
+            self._evicting.add(sandbox_id)
+            self._spawn(self._provider.destroy(handle))
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
@@ -453,3 +628,7 @@ class Runner:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _at(ns: int) -> datetime:
+    return datetime.fromtimestamp(ns / 1e9, UTC)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, NotRequired, TypedDict
 
-from harness.history import History, Operation
+from harness.history import Event, History, Operation
 from harness.stops import RESUME_SCOPES, Stop, holding, stops
 
 Validity = bool | Literal["unknown"]
@@ -324,6 +324,41 @@ def kill_obeyed(history: History, final: FinalState,
 
 GUARD_LAYERS = ("budget", "steps", "loop", "circuit_breaker")
 HOME_FILES_F = "home_files"  # {"agent_id", "label", "files": {path: bytes}}; harness.measures
+HOME_SYNC_F = "home_sync"  # by `agent:<id>`, {"sandbox_id"}: a sandbox's last sync to the home
+# {"agent_id", "remains": [what]}: what of the agent's sandboxes the harness found on the
+# machine itself (harness/remains.py): processes, containers; empty when nothing.
+SANDBOX_REMAINS_F = "sandbox_remains"
+
+
+def nothing_left_of_killed_agent(history: History, final: FinalState) -> Verdict:
+    """No process or container of an agent is left once its kill was acknowledged: what
+    the harness last found of it on the machine, looked at after the kill, is nothing
+    (a warm sandbox parked between sessions included: evictWarm tears it down)."""
+    name = "nothing_left_of_killed_agent"
+    all_stops = [s for s in stops(history) if s.acknowledged_ns is not None]
+    looks = [e for e in history.select(f=SANDBOX_REMAINS_F) if e.agent_id is not None]
+    judged: dict[str, tuple[Stop, Event]] = {}
+    for stop in all_stops:
+        for look in looks:
+            agent = str(look.agent_id)
+            if stop.covers(agent, final.org_of(agent)) and stop.holds_at(look.time_ns):
+                judged[agent] = (stop, look)  # looks come in order: the last one counts
+    if not judged:
+        return Verdict(name, "unknown", "The harness never looked at what a killed agent left "
+                       "on the machine while its stop stood (no sandbox_remains after an "
+                       "acknowledged kill), or cannot on this stack.")
+    lines = [f"agent {agent} still had {', '.join(look.value['remains'])} at event "
+             f"{look.index}, after the {stop.kill.f} acknowledged at event {stop.kill.last_index}"
+             for agent, (stop, look) in sorted(judged.items()) if look.value.get("remains")]
+    evidence = tuple(sorted({i for stop, look in judged.values()
+                             for i in (stop.kill.last_index, look.index)}))
+    if lines:
+        return Verdict(name, False, _sentence("Killed agents left sandboxes up", lines,
+                                              "a process or container of a stopped agent can "
+                                              "still act; find what the teardown missed"),
+                       evidence)
+    return Verdict(name, True, f"Nothing of a killed agent was left on the machine "
+                   f"({_count(len(judged), 'agent')} looked at).", evidence)
 
 
 def home_is_last_sync(history: History, final: FinalState) -> Verdict:
@@ -404,7 +439,8 @@ CHECKERS: tuple[Checker, ...] = (
 
 
 # Every checker a scenario may choose (`@pytest.mark.checkers(...)`); CHECKERS is the default.
-ALL_CHECKERS: tuple[Checker, ...] = (*CHECKERS, home_is_last_sync, no_blind_restart_after_trip)
+ALL_CHECKERS: tuple[Checker, ...] = (*CHECKERS, home_is_last_sync, no_blind_restart_after_trip,
+                                     nothing_left_of_killed_agent)
 
 
 def check_all(history: History, final: FinalState) -> list[Verdict]:

@@ -6,6 +6,7 @@ The scenario does; this records. Judging is the checkers' job, after the fact.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import platform
@@ -23,7 +24,9 @@ from harness.checkers import (
     CHECKERS,
     FAILING_SERVICE_CALL_F,
     HOME_FILES_F,
+    HOME_SYNC_F,
     KILL_DELIVERY_F,
+    SANDBOX_REMAINS_F,
     SESSION_END_F,
     Checker,
     FinalAgent,
@@ -39,6 +42,7 @@ from harness.measure import TimeToStop, summarize, time_to_stop
 from harness.measures import Measure
 from harness.operator import Operator, Until
 from harness.puppet import Behaviour, behaviour_name, resolve
+from harness.remains import remains_of
 from harness.stack import Endpoints
 from harness.switch_checkers import LEASE_F, SANDBOX_F
 from harness.verdicts import broken_rules
@@ -67,6 +71,24 @@ def kill_delivery(agent_id: str, session: dict[str, Any]) -> dict[str, Any] | No
             "confirmed_ns": _ns(session.get("kill_confirmed_at")),
             "confirmed_by": session.get("kill_confirmed_by"),
             "daemon_stop": session.get("daemon_stop"), "sandbox_id": session.get("sandbox_id")}
+
+
+def sandbox_observations(box: dict[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+    """A sandbox row's parts of time-to-stop, each at the time the control plane recorded
+    for it: its daemon's exit (with the code), when the sandbox was gone, its last home
+    sync. A time the control plane did not record gives no observation: the measure then
+    says nothing rather than a guess (an `ended_at` once stood in for both parts)."""
+    found = []
+    for f, stamp, value in (
+            ("daemon_exit", box.get("daemon_exited_at"),
+             {"exit_code": box.get("exit_code"), "sandbox_id": box["id"]}),
+            ("sandbox_gone", box.get("gone_at"), {"sandbox_id": box["id"],
+                                                  "state": box.get("state")}),
+            (HOME_SYNC_F, box.get("last_sync_at"), {"sandbox_id": box["id"]})):
+        at_ns = _ns(stamp)
+        if at_ns is not None:
+            found.append((f, value, at_ns))
+    return found
 
 
 @dataclass
@@ -234,11 +256,12 @@ class GameDay:
                     "task_id": t["id"], "state": t["state"], "agent_id": agent_id})
         return tasks
 
-    async def why_work_cannot_finish(self) -> str | None:
+    async def why_work_cannot_finish(self, agents: list[str] | None = None) -> str | None:
         """Why this game day's unfinished tasks cannot all end done without a human, or None
         while they still can: the fleet stop stands, an agent with unfinished work is
         stopped, or a task ended where nothing requeues it (failed, cancelled, blocked).
-        Nothing in a game day resumes on its own: that is the scenario's operators' job."""
+        Nothing in a game day resumes on its own: that is the scenario's operators' job.
+        `agents`: only these agents' work (default: every agent of the game day)."""
         auditor = self.people["auditor"]
         fleet = json_of(await auditor.fleet())
         if fleet.get("global_stop"):
@@ -246,7 +269,7 @@ class GameDay:
                     "will clear it")
         if fleet["fleet_killed"]:
             return "the fleet stop stands and nobody will resume it"
-        for agent_id in self.agents:
+        for agent_id in self.agents if agents is None else agents:
             tasks = json_of(await auditor.backlog(agent_id))
             stuck = [t for t in tasks if t["state"] in ("failed", "cancelled", "blocked")]
             if stuck:
@@ -283,6 +306,16 @@ class GameDay:
                                                       "files": files})
         return files
 
+    async def remains(self, agent_id: str, record: bool = True) -> list[str] | None:
+        """What of the agent's sandboxes still exists on this machine, looked at directly
+        (harness/remains.py), recorded as a `sandbox_remains` observation; None where the
+        stack's sandboxes are not on this machine."""
+        found = await asyncio.to_thread(remains_of, self.stack, agent_id)
+        if record and found is not None:
+            self.history.observe(OBSERVER, SANDBOX_REMAINS_F,
+                                 {"agent_id": agent_id, "remains": found})
+        return found
+
     async def sandboxes(self, agent_id: str) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = json_of(await self.people["auditor"].sandboxes(agent_id))
         return rows
@@ -304,19 +337,18 @@ class GameDay:
                                      time_ns=at_ns)
 
     async def copy_sandboxes_and_sessions(self) -> None:
-        """Daemon exits, sandboxes gone and sessions started, at the control plane's times."""
+        """Daemon exits, sandboxes gone, home syncs and sessions started, at the control
+        plane's times."""
         for agent_id in self.agents:
-            for s in await self.sandboxes(agent_id):
-                ended = _ns(s.get("ended_at"))
+            for box in await self.sandboxes(agent_id):
+                # Its life, for the lingering-sandbox checker: over once it is gone (a
+                # deployment that does not record gone_at says ended_at).
+                ended = _ns(box["gone_at"] if "gone_at" in box else box.get("ended_at"))
                 self.history.observe(OBSERVER, SANDBOX_F, {
-                    "agent_id": agent_id, "sandbox_id": s["id"], "state": s["state"],
-                    "created_ns": _ns(s["created_at"]), "ended_ns": ended})
-                if s["state"] == "gone" and ended is not None:
-                    self.history.observe(f"agent:{agent_id}", "daemon_exit",
-                                         {"exit_code": s["exit_code"], "sandbox_id": s["id"]},
-                                         time_ns=ended)
-                    self.history.observe(f"agent:{agent_id}", "sandbox_gone",
-                                         {"sandbox_id": s["id"]}, time_ns=ended)
+                    "agent_id": agent_id, "sandbox_id": box["id"], "state": box["state"],
+                    "created_ns": _ns(box["created_at"]), "ended_ns": ended})
+                for f, value, at_ns in sandbox_observations(box):
+                    self.history.observe(f"agent:{agent_id}", f, value, time_ns=at_ns)
             sessions = json_of(await self.people["auditor"].sessions(agent_id))
             for s in sessions:
                 started = _ns(s["started_at"])

@@ -22,6 +22,7 @@ from harness.checkers import (
     ACTION_F,
     FAILING_SERVICE_CALL_F,
     HOME_FILES_F,
+    HOME_SYNC_F,
     SESSION_END_F,
     FinalState,
 )
@@ -47,18 +48,29 @@ def _homes(history: History) -> dict[str, dict[str, dict[str, int]]]:
 
 def work_lost(history: History, final: FinalState) -> dict[str, Any]:
     """Per agent with a last sync and its killed sandbox read: what the kill threw away
-    (files written or changed since the last sync) and what the sandbox had destroyed of
-    the synced home (gone from the sandbox, kept by the sync)."""
+    (files written or changed since the last sync), what the sandbox had destroyed of
+    the synced home (gone from the sandbox, kept by the sync), and how old the last sync
+    was when the kill was requested (from the control plane's record of it; None when it
+    records none)."""
     out: dict[str, Any] = {}
+    kills: dict[str | None, int] = {}
+    for e in history.select(f="kill_agent", type="invoke"):
+        kills.setdefault(e.agent_id, e.time_ns)
     for agent, homes in _homes(history).items():
         synced, at_kill = homes.get(LAST_SYNC), homes.get(AT_KILL)
         if synced is None or at_kill is None:
             continue
         lost = {p: n for p, n in at_kill.items() if synced.get(p) != n}
         deleted = {p: n for p, n in synced.items() if p not in at_kill}
+        kill_ns = kills.get(agent)
+        sync_ns = max((e.time_ns for e in history.select(f=HOME_SYNC_F)
+                       if e.agent_id == agent and kill_ns is not None and e.time_ns < kill_ns),
+                      default=None)
         out[agent] = {"files_lost": len(lost), "bytes_lost": sum(lost.values()),
                       "files_deleted_in_sandbox": len(deleted),
-                      "bytes_deleted_in_sandbox": sum(deleted.values())}
+                      "bytes_deleted_in_sandbox": sum(deleted.values()),
+                      "last_sync_to_kill_ms": None if sync_ns is None or kill_ns is None
+                      else (kill_ns - sync_ns) / 1e6}
     return out
 
 

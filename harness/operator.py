@@ -104,6 +104,30 @@ class Until:
         await eventually(gone, deadline_s, f"a sandbox of {len(ids)} stopped agents kept "
                          f"running: a stop that leaves a sandbox up has not stopped the agent")
 
+    async def nothing_left_of(self, agents: list[AgentRef], deadline_s: float = 30) -> None:
+        """Nothing of these (killed) agents' sandboxes exists any more on this machine: no
+        process, no container, looked at directly rather than read from the control plane.
+        Each agent's last look lands in the history, for `nothing_left_of_killed_agent`."""
+        ids = self._agents(agents)
+        left: dict[str, list[str] | None] = {}
+
+        async def nothing_left() -> bool:
+            for agent_id in ids:
+                left[agent_id] = await self.day.remains(agent_id, record=False)
+            return not any(left.values())
+        try:
+            await eventually(nothing_left, deadline_s, "nothing of the killed agents' "
+                             "sandboxes may be left")
+        except AssertionError:
+            raise AssertionError(
+                f"a killed agent's sandbox was left behind after {deadline_s:.0f} s: "
+                + "; ".join(f"agent {a}: {', '.join(r or [])}" for a, r in left.items() if r)
+                + ". A stop that leaves a process or container up has not stopped the agent"
+            ) from None
+        finally:
+            for agent_id in ids:
+                await self.day.remains(agent_id)
+
     async def all_working(self, agents: list[AgentRef] | None = None,
                           deadline_s: float = 120) -> dict[str, dict[str, Any]]:
         """Every one of these agents has a task in progress; returns every task read."""
@@ -113,9 +137,11 @@ class Until:
             tasks = await self.day.read_tasks()
             busy = {t["agent_id"] for t in tasks.values() if t["state"] == "in_progress"}
             return tasks if ids <= busy else None
+        # Only these agents' work: one killed beside them (on purpose) does not make their
+        # getting to work impossible.
         found: dict[str, dict[str, Any]] = await eventually(
             working, deadline_s, "the agents never all got to work on their tasks",
-            impossible=self.day.why_work_cannot_finish)
+            impossible=lambda: self.day.why_work_cannot_finish(sorted(ids)))
         return found
 
     async def all_tasks_done(self, deadline_s: float = 120) -> dict[str, dict[str, Any]]:

@@ -49,8 +49,8 @@ class Endpoints:
     # organisation of its own (harness/isolation.py).
     platform_email: str | None = None
     platform_password: str | None = None
-    # The kill-flag lease the daemons hold (COVEY_LEASE_MS), None where the harness cannot
-    # know it (a deployment); and the control plane's data folder where it is on this
+    # The kill-flag lease the daemons hold (COVEY_LEASE_MS, from the control plane's
+    # /healthz), None where it does not say; and the control plane's data folder where it is on this
     # machine (processes and containers stacks), which holds the agents' homes.
     lease_ms: int | None = None
     data_dir: Path | None = None
@@ -69,7 +69,7 @@ def free_port() -> int:
 
 
 async def wait_until_healthy(url: str, deadline_s: float, process: asyncio.subprocess.Process
-                             | None = None, path: str = "/healthz") -> dict[str, str]:
+                             | None = None, path: str = "/healthz") -> dict[str, Any]:
     """Poll /healthz until it answers ok, the process dies, or the deadline passes."""
     deadline = time.monotonic() + deadline_s
     last = "no answer yet"
@@ -89,6 +89,14 @@ async def wait_until_healthy(url: str, deadline_s: float, process: asyncio.subpr
                 last = repr(exc)
             await asyncio.sleep(0.1)
     raise TimeoutError(f"{url}{path} not healthy after {deadline_s}s: {last}")
+
+
+def lease_of(health: dict[str, Any]) -> int | None:
+    """The kill-flag lease the control plane gives its daemons, as its /healthz says: what
+    the stack is configured with, not what the harness asked for (a deployment's own, or
+    a value the control plane clamped)."""
+    lease = health.get("lease_ms")
+    return lease if isinstance(lease, int) and not isinstance(lease, bool) else None
 
 
 @asynccontextmanager
@@ -184,7 +192,7 @@ class ProcessesStack:
                 yield Endpoints(url, admin, ADMIN_PASSWORD, puppet, puppet_url,
                                 {"covey": health.get("version", "?"),
                                  "python": sys.version.split()[0]}, nemesis,
-                                platform, ADMIN_PASSWORD, lease_ms=self.lease_ms,
+                                platform, ADMIN_PASSWORD, lease_ms=lease_of(health),
                                 data_dir=workdir / "data")
         finally:
             if plane is not None and plane.returncode is None:
@@ -224,7 +232,8 @@ class TargetStack:
                             LocalPuppet(puppet), puppet_url, {"covey": health.get("version", "?"),
                                          "python": sys.version.split()[0]},
                             platform_email=self.platform_email,
-                            platform_password=self.platform_password)
+                            platform_password=self.platform_password,
+                            lease_ms=lease_of(health))
 
 
 # Postgres from the stack's own image: initdb, trust the game day's network (it is the game
@@ -398,7 +407,7 @@ class ContainersStack:
                                 "http://puppet:9000/v1",
                                 {"covey": health.get("version", "?"), "image": self.image,
                                  "python": sys.version.split()[0]}, nemesis,
-                                platform, ADMIN_PASSWORD, lease_ms=self.lease_ms,
+                                platform, ADMIN_PASSWORD, lease_ms=lease_of(health),
                                 data_dir=workdir / "data")  # the same path on this host
         finally:
             await asyncio.to_thread(self._tear_down, containers, network, gameday, workdir)

@@ -73,8 +73,8 @@ async def test_fleet_stop_from_the_page(gameday: GameDay, agents_per_game_day: i
                 live = [s for s in boxes if s["state"] in ("starting", "running")]
                 return None if live else boxes
             boxes = await eventually(all_gone, 60, "a sandbox kept running after the stop")
-            exits = [datetime.fromisoformat(s["ended_at"]).timestamp() * 1e9 for s in boxes
-                     if s["ended_at"] and s["exit_code"] == 3]
+            exits = [datetime.fromisoformat(s["daemon_exited_at"]).timestamp() * 1e9
+                     for s in boxes if s["daemon_exited_at"] and s["exit_code"] == 3]
             assert exits, "no daemon exited with code 3 after the red button"
             click_to_exit_ms = round((max(exits) - clicked_ns) / 1e6, 1)
             day.journal_sections["page_stop"] = {

@@ -7,6 +7,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,14 @@ async def test_a_kill_exits_3_and_removes_the_container(
     sandbox = await _gone_sandbox(dworld, agent["id"])
     assert sandbox["exit_code"] == 3
     assert _containers(docker_client, dworld) == []
+    # Two parts, two times: the container's death as the engine saw it, then its removal.
+    assert _at(sandbox["daemon_exited_at"]) < _at(sandbox["gone_at"])
+    [died] = list(docker_client.events(
+        since=int(time.time()) - 300, until=int(time.time()) + 1, decode=True,
+        filters={"label": f"covey.sandbox={sandbox['id']}", "event": "die"}))
+    recorded_ns = _at(sandbox["daemon_exited_at"]).timestamp() * 1e9
+    assert abs(recorded_ns - int(died["timeNano"])) < 2_000, (
+        "the daemon's exit is not the engine's time of the container's death")
     log = (dworld.plane.data_dir / "logs" / f"{sandbox['id']}.log").read_text()
     assert "kill switch" in log and "daemon terminates immediately" in log
     assert await dworld.task_state(task["id"]) == "open"
@@ -124,11 +133,27 @@ async def test_a_kill_evicts_a_parked_warm_sandbox(dworld: World, docker_client:
         rows = (await dworld.org_admin.get(f"/api/v1/agents/{agent['id']}/sandboxes")).json()
         return next((s for s in rows if s["state"] == "parked"), None)
     sandbox = await eventually(parked, 60, "the warm sandbox was never parked")
-    assert sandbox["exit_code"] == 0 and _containers(docker_client, dworld) == []
+    # As covey's: the container stays up between sessions, its daemon connected and idle.
+    [container] = _containers(docker_client, dworld)
+    assert container.status == "running" and container.id == sandbox["handle"]
+    assert sandbox["exit_code"] is None and sandbox["daemon_exited_at"] is None
     workdir = dworld.plane.data_dir / "sandboxes" / agent["id"] / sandbox["id"]
     assert (workdir / "notes.txt").exists()
     r = await dworld.security.post(f"/api/v1/agents/{agent['id']}/kill")
     assert r.json()["evicted_sandboxes"] == [sandbox["id"]]
-    assert not workdir.exists()
+
+    async def torn_down() -> dict[str, Any] | None:
+        [row] = (await dworld.org_admin.get(f"/api/v1/agents/{agent['id']}/sandboxes")).json()
+        return row if row["gone_at"] and not workdir.exists() else None
+    evicted = await eventually(torn_down, 30, "the evicted container was never torn down")
+    assert _containers(docker_client, dworld) == [], "the evicted container is still there"
+    assert evicted["state"] == "evicted" and evicted["exit_code"] == 137
+    assert _at(evicted["daemon_exited_at"]) < _at(evicted["gone_at"]), (
+        "the container is recorded removed before it died")
     # Never synced (the default background sync is minutes away): the work is lost.
     assert not (dworld.plane.data_dir / "homes" / agent["id"] / "notes.txt").exists()
+
+
+def _at(stamp: str | None) -> datetime:
+    assert stamp is not None, "a time the sandbox row should record is missing"
+    return datetime.fromisoformat(stamp)

@@ -1,15 +1,18 @@
 """DESIGN §2.3 line 7 and §2.5: home restore and sync, warm parking, evictWarm on kill.
-A killed sandbox's home is the state of its last sync."""
+A killed sandbox's home is the state of its last sync. Each sandbox row records when its
+daemon exited, when the sandbox was gone and its last sync, each when it happened."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from covey.sandbox import processes_marked
 from harness.puppet import Puppet
 from tests.conftest import COVEYD
 from tests.support.plane import World, eventually, make_world, start_plane
@@ -32,6 +35,17 @@ async def _sandboxes(world: World, agent_id: str) -> list[dict[str, Any]]:
     r = await world.org_admin.get(f"/api/v1/agents/{agent_id}/sandboxes")
     rows: list[dict[str, Any]] = r.json()
     return rows
+
+
+def _left_of(sandbox_id: str) -> list[int]:
+    """Live processes of a sandbox, found by the marker every one of them inherits."""
+    marker = f"COVEY_SANDBOX_ID={sandbox_id}".encode()
+    return processes_marked(frozenset([marker])).get(marker, [])
+
+
+def _at(stamp: str | None) -> datetime:
+    assert stamp is not None, "a time the sandbox row should record is missing"
+    return datetime.fromisoformat(stamp)
 
 
 async def _wait_state(world: World, agent_id: str, state: str) -> dict[str, Any]:
@@ -60,26 +74,41 @@ async def test_a_kill_loses_what_was_not_synced(lworld: World) -> None:
         return notes.exists() and notes.read_text() == "step two\n"
     await eventually(wrote, 20, "the agent never wrote its second step")
     await world.org_admin.post(f"/api/v1/agents/{agent['id']}/kill")
-    await _wait_state(world, agent["id"], "gone")
+
+    async def killed_gone() -> dict[str, Any] | None:
+        row = next(s for s in await _sandboxes(world, agent["id"]) if s["id"] == sandbox["id"])
+        return row if row["state"] == "gone" else None
+    killed = await eventually(killed_gone, 20, "the killed sandbox was never gone")
+    assert killed["exit_code"] == 3
+    assert _at(killed["daemon_exited_at"]) <= _at(killed["gone_at"]), (
+        "the sandbox is recorded gone before its daemon exited")
+    assert killed["last_sync_at"] is None, "a killed sandbox synced its work home"
+    slept = next(s for s in await _sandboxes(world, agent["id"]) if s["id"] != sandbox["id"])
+    assert _at(slept["daemon_exited_at"]) <= _at(slept["gone_at"]) <= _at(slept["last_sync_at"])
     # The home is the state of its last sync: the killed sandbox's write is not in it.
     assert _home_file(world, agent["id"], "notes.txt") == "step one\n"
     # The killed sandbox's own copy is kept as evidence.
     assert (workdir / "notes.txt").read_text() == "step two\n"
 
 
-async def test_a_warm_sandbox_is_parked_reused_synced_and_evicted_by_a_kill(
+async def test_a_warm_sandbox_stays_up_between_sessions_and_a_kill_tears_it_down(
         lworld: World) -> None:
     world = lworld
     agent = await world.agent(warm_sandbox=True)
     first = await world.task(agent["id"], "model:well_behaved")
     await world.wait_task(first["id"], "done")
     parked = await _wait_state(world, agent["id"], "parked")
-    assert parked["exit_code"] == 0
+    # As covey's: the daemon was not told to sleep; its process runs on, connected and idle.
+    assert parked["exit_code"] is None and parked["daemon_exited_at"] is None
+    assert int(parked["handle"]) in _left_of(parked["id"]), "the parked sandbox is not up"
+    sessions = (await world.auditor.get(f"/api/v1/agents/{agent['id']}/sessions")).json()
+    assert [s["daemon_stop"] for s in sessions] == [None], "the warm daemon said it stopped"
 
     second = await world.task(agent["id"], "model:well_behaved")
     await world.wait_task(second["id"], "done")
     again = await _wait_state(world, agent["id"], "parked")
-    assert again["id"] == parked["id"], "the parked sandbox was not reused"
+    assert (again["id"], again["handle"]) == (parked["id"], parked["handle"]), (
+        "the next wake did not hand its session to the parked sandbox's daemon")
     assert len(await _sandboxes(world, agent["id"])) == 1
 
     # The background sync (every second here) brings the parked work home.
@@ -89,11 +118,33 @@ async def test_a_warm_sandbox_is_parked_reused_synced_and_evicted_by_a_kill(
 
     r = await world.security.post(f"/api/v1/agents/{agent['id']}/kill")
     assert r.json()["evicted_sandboxes"] == [parked["id"]]
-    rows = await _sandboxes(world, agent["id"])
-    assert [s["state"] for s in rows] == ["evicted"]
     workdir = world.plane.data_dir / "sandboxes" / agent["id"] / parked["id"]
-    assert not workdir.exists()
+
+    async def torn_down() -> dict[str, Any] | None:
+        [row] = await _sandboxes(world, agent["id"])
+        return row if row["gone_at"] and not workdir.exists() else None
+    evicted = await eventually(torn_down, 20, "the evicted warm sandbox was not torn down")
+    assert evicted["state"] == "evicted" and evicted["exit_code"] == -9
+    assert _at(evicted["daemon_exited_at"]) <= _at(evicted["gone_at"])
+    assert _left_of(parked["id"]) == [], "a process of the evicted sandbox is still running"
     assert _home_file(world, agent["id"], "notes.txt") == "step one\n"
+
+
+async def test_a_sandbox_is_gone_only_once_what_its_daemon_started_is_gone(
+        lworld: World, model: tuple[str, Puppet]) -> None:
+    """The shell tool runs each command in a session of its own: a process a command leaves
+    behind outlives the daemon, and the sandbox is not gone until it is."""
+    world = lworld
+    agent = await world.agent()
+    model[1].assign(agent["id"], {"steps": [
+        {"shell": "setsid sleep 300 </dev/null >/dev/null 2>&1 &"}, {"finish": "done"}]})
+    task = await world.task(agent["id"], "leave a process behind")
+    await world.wait_task(task["id"], "done")
+    gone = await _wait_state(world, agent["id"], "gone")
+    assert gone["exit_code"] == 0
+    assert _left_of(gone["id"]) == [], "the process the agent left behind is still running"
+    assert _at(gone["daemon_exited_at"]) < _at(gone["gone_at"]), (
+        "the sandbox is recorded gone at its daemon's exit, before what it left was reaped")
 
 
 async def test_an_idle_parked_sandbox_really_falls_asleep(
@@ -105,34 +156,30 @@ async def test_an_idle_parked_sandbox_really_falls_asleep(
         task = await world.task(agent["id"], "model:well_behaved")
         await world.wait_task(task["id"], "done")
         gone = await _wait_state(world, agent["id"], "gone")
+        assert gone["exit_code"] == 0, "the idle warm daemon was not told to sleep"
         assert _home_file(world, agent["id"], "notes.txt") == "step one\n"
         synced = await world.db.fetchval("SELECT last_sync_at FROM sandboxes WHERE id=$1",
                                          uuid.UUID(gone["id"]))
         assert synced is not None
 
 
-async def test_a_warm_sandbox_falling_asleep_after_a_kill_is_evicted_not_parked(
+async def test_a_warm_session_ending_after_a_kill_does_not_park_its_sandbox(
         lworld: World) -> None:
-    """A daemon that finished just as the kill came exits after the kill's evictWarm ran:
-    parked then, the killed agent kept a warm sandbox (and its unsynced work) for the next
-    session after resume. Its parking asks the flags under the agent's lock."""
+    """A warm daemon that runs out of work just as the kill comes: its session's end reaches
+    the control plane after the kill's evictWarm ran. Parked then, the killed agent would keep
+    a warm sandbox (and its unsynced work) for the next session after resume (a random game
+    day found it). The end is judged under the agent's lock: the kill ended the session."""
     world = lworld
     orch = world.plane.app.state.orchestrator
-    kept, killed = await world.agent(warm_sandbox=True), await world.agent(warm_sandbox=True)
-    boxes = {}
-    for agent in (kept, killed):
-        boxes[agent["id"]] = uuid.uuid4()
-        # A sandbox whose daemon is exiting cleanly: still running when the kill comes.
-        await orch.pool.execute(
-            "INSERT INTO sandboxes (id, agent_id, backend, daemon_token_hash, token_expires_at,"
-            " node, state) VALUES ($1, $2, 'process', 'x', now(), $3, 'running')",
-            boxes[agent["id"]], uuid.UUID(agent["id"]), orch.runner.node)
-    r = await world.security.post(f"/api/v1/agents/{killed['id']}/kill")
+    agent = await world.agent(warm_sandbox=True)
+    await world.task(agent["id"], "model:silent")
+    await world.wait_working(agent["id"])
+    [session] = [s for s in (await world.auditor.get(
+        f"/api/v1/agents/{agent['id']}/sessions")).json() if s["state"] == "running"]
+    r = await world.security.post(f"/api/v1/agents/{agent['id']}/kill")
     assert r.status_code == 200 and r.json()["evicted_sandboxes"] == []  # nothing parked yet
 
-    assert await orch.park_warm(boxes[kept["id"]], uuid.UUID(kept["id"])) is True
-    assert await orch.park_warm(boxes[killed["id"]], uuid.UUID(killed["id"])) is False
-    states = {a["id"]: [(s["state"], s["ended_at"] is not None)
-                        for s in await _sandboxes(world, a["id"])] for a in (kept, killed)}
-    assert states == {kept["id"]: [("parked", False)], killed["id"]: [("evicted", True)]}, (
-        f"a warm sandbox of a killed agent was parked for reuse: {states}")
+    assert await orch.end_session(uuid.UUID(session["id"])) is None, (
+        "a killed session's late end was taken as falling asleep")
+    states = [s["state"] for s in await _sandboxes(world, agent["id"])]
+    assert "parked" not in states, f"a killed agent's warm sandbox was parked: {states}"

@@ -372,10 +372,12 @@ async def sessions(agent_id: UUID, who: AnyRole, orch: Orch) -> list[SessionOut]
 
 @router.get("/{agent_id}/sandboxes", response_model=list[SandboxOut])
 async def sandboxes(agent_id: UUID, who: AnyRole, orch: Orch) -> list[SandboxOut]:
-    """Sandboxes with their state and their daemon's exit code (3 = obeyed a kill)."""
+    """Sandboxes with their state, their daemon's exit code (3 = obeyed a kill) and when it
+    exited, when the sandbox was gone, and its last sync to the agent's home."""
     await agent_of_org(orch, who.org_id, agent_id)
     rows = await orch.pool.fetch(
-        "SELECT id, backend, handle, state, exit_code, created_at, ended_at FROM sandboxes"
+        "SELECT id, backend, handle, state, exit_code, created_at, ended_at, daemon_exited_at,"
+        " gone_at, last_sync_at FROM sandboxes"
         " WHERE agent_id=$1 ORDER BY created_at, id",
         agent_id,
     )

@@ -29,6 +29,9 @@ CLOSE_PROTOCOL = 4400
 # Why a daemon says it stopped (coveyd.Stop): an obeyed kill, a lapsed lease, its own guard,
 # a sleep, an error.
 DAEMON_STOPS = ("kill", "lease", "guard", "sleep", "error")
+# What a daemon is configured with when it takes up a session.
+SESSION_CONFIG = ("SELECT s.id, s.state, a.org_id, a.model, a.budget_usd::float8 AS budget_usd,"
+                  " a.max_turns, a.guard FROM sessions s JOIN agents a ON a.id=s.agent_id")
 
 
 class ProtocolError(Exception):
@@ -145,10 +148,7 @@ async def daemon_ws(ws: WebSocket) -> None:
     # (Picking whichever row came first once killed a fresh daemon for its sandbox's old,
     # ended session, as soon as that row was last written after the new one.)
     session = await orch.pool.fetchrow(
-        "SELECT s.id, s.state, a.org_id, a.model, a.budget_usd::float8 AS budget_usd,"
-        " a.max_turns, a.guard"
-        " FROM sessions s JOIN agents a ON a.id=s.agent_id WHERE s.sandbox_id=$1"
-        " ORDER BY s.started_at DESC, s.id DESC LIMIT 1",
+        f"{SESSION_CONFIG} WHERE s.sandbox_id=$1 ORDER BY s.started_at DESC, s.id DESC LIMIT 1",
         sandbox_id,
     )
     if session is None:  # the wake writes both rows in one transaction
@@ -175,6 +175,24 @@ async def daemon_ws(ws: WebSocket) -> None:
 
 async def _serve(orch: Orchestrator, ws: WebSocket, link: DaemonLink,
                  session: dict[str, Any]) -> None:
+    await _take_up(orch, link, session)
+    while True:
+        text = await _receive_text(ws)
+        try:
+            kind, payload = parse(text)
+            await _handle(orch, link, kind, payload)
+        except ProtocolError as exc:
+            await send_to(link, "error", {"error": exc.error, "hint": exc.hint})
+
+
+async def hand_over(orch: Orchestrator, link: DaemonLink) -> None:
+    """A warm sandbox's idle daemon takes up the session its link now speaks for."""
+    session = await orch.pool.fetchrow(f"{SESSION_CONFIG} WHERE s.id=$1", link.session_id)
+    if session is not None:
+        await _take_up(orch, link, dict(session))
+
+
+async def _take_up(orch: Orchestrator, link: DaemonLink, session: dict[str, Any]) -> None:
     if session["state"] not in ("starting", "running"):
         # Killed between the wake and this connection.
         await orch.hub.send_kill(link.session_id)
@@ -191,13 +209,6 @@ async def _serve(orch: Orchestrator, ws: WebSocket, link: DaemonLink,
         })
         await orch.renew_leases([link.session_id])  # with the tool scopes stopped now
         await _assign_next(orch, link)
-    while True:
-        text = await _receive_text(ws)
-        try:
-            kind, payload = parse(text)
-            await _handle(orch, link, kind, payload)
-        except ProtocolError as exc:
-            await send_to(link, "error", {"error": exc.error, "hint": exc.hint})
 
 
 async def _assign_next(orch: Orchestrator, link: DaemonLink) -> None:
@@ -210,7 +221,7 @@ async def _assign_next(orch: Orchestrator, link: DaemonLink) -> None:
             "body": task["body"],
             "origin": task["origin"],
         })
-    elif await orch.end_session(link.session_id):
+    elif await orch.end_session(link.session_id) == "sleep":  # a warm one parks, idle
         await send_to(link, "sleep", {})
 
 

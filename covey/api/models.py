@@ -296,11 +296,27 @@ class RecordingOut(BaseModel):
 class SandboxOut(BaseModel):
     id: UUID
     backend: str
-    handle: str | None
-    state: str
-    exit_code: int | None
+    handle: str | None = Field(description="The backend's handle: the daemon's process id, "
+                               "or the container's id")
+    state: Literal["starting", "running", "parked", "evicted", "gone"] = Field(
+        description="parked: a warm agent's sandbox between sessions, still up with its "
+        "daemon connected and idle; evicted: torn down by a kill or a wake elsewhere, its "
+        "unsynced work thrown away")
+    exit_code: int | None = Field(description="The daemon's exit code: 0 fell asleep, 1 error, "
+                                  "2 its own guard, 3 kill switch; negative (process) or 137 "
+                                  "(container) when the sandbox was destroyed")
     created_at: datetime
-    ended_at: datetime | None
+    ended_at: datetime | None = Field(description="When the sandbox's life ended for the "
+                                      "control plane: gone, or evicted")
+    daemon_exited_at: datetime | None = Field(
+        default=None, description="When the daemon's process ended (reaped, or the "
+        "container's death as the Docker engine saw it)")
+    gone_at: datetime | None = Field(
+        default=None, description="When nothing of the sandbox was left: every process it "
+        "started reaped, its container removed")
+    last_sync_at: datetime | None = Field(
+        default=None, description="When the sandbox's work was last synced to the agent's "
+        "home: what a kill keeps")
 
 
 class SessionOut(BaseModel):

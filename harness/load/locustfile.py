@@ -193,7 +193,7 @@ class Killer(CoveyUser):
                  ) -> tuple[tuple[int, list[int]], int | None]:
         """Poll until the cancelled sessions' daemons have exited and the held tasks are open
         again, then time both on the control plane's own clock (the same machine's: load
-        goes to 127.0.0.1 only): the sandboxes' `ended_at`, the tasks' transitions to open.
+        goes to 127.0.0.1 only): the daemons' exits, the tasks' transitions to open.
         Polling only says when to look; it adds nothing to the figures."""
         # Long enough to measure a kill that breaks the bound, bounded all the same.
         patience_s = max(self.bound_ms / 1000 * 2, 10.0)
@@ -203,7 +203,7 @@ class Killer(CoveyUser):
         while True:
             rows = [b for b in self._json(f"{path}/sandboxes") if b["id"] in boxes]
             tasks = {t["id"]: t["state"] for t in self._json(f"{path}/backlog")}
-            exited = all(b["exit_code"] is not None and b["ended_at"] for b in rows)
+            exited = all(b["exit_code"] is not None and b["daemon_exited_at"] for b in rows)
             if exited and all(tasks.get(t) == "open" for t in held):
                 break
             if time.monotonic() > deadline:
@@ -213,7 +213,7 @@ class Killer(CoveyUser):
                                     if exited else "a daemon had not exited"))
             time.sleep(POLL_S)
         codes = [b["exit_code"] for b in rows]
-        exited_ns = max((_ns(b["ended_at"]) - invoked_ns for b in rows), default=0)
+        exited_ns = max((_ns(b["daemon_exited_at"]) - invoked_ns for b in rows), default=0)
         failure = None
         if any(code != 3 for code in codes):
             failure = KillFailed(f"daemons exited with {codes}, not 3 (kill switch)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from harness.gameday import sandbox_observations
 from harness.measure import TimeToStop, percentile_ms, percentiles, summarize, time_to_stop
 from tests.harness.builders import MS, GameDay, clean_game_day
 
@@ -84,3 +85,22 @@ def test_an_agent_kill_measures_only_its_agent_and_stops_at_the_resume() -> None
     assert (sample.agent_id, sample.last_action_ns, sample.daemon_exit_ns) == ("a1", 3 * MS,
                                                                                20 * MS)
     assert sample.tasks_requeued_ns is None and sample.sandbox_gone_ns is None
+
+
+def test_daemon_exit_and_sandbox_gone_are_each_the_time_the_control_plane_recorded() -> None:
+    """The two parts come from two recorded times; a part not recorded is not measured
+    (it once was, from one `ended_at` standing in for both)."""
+    day = GameDay()
+    day.kill_agent("a1", 100, 120)
+    boxes = [{"id": "b1", "exit_code": 3, "state": "gone",
+              "daemon_exited_at": "1970-01-01T00:00:00.130000+00:00",
+              "gone_at": "1970-01-01T00:00:00.175000+00:00", "last_sync_at": None},
+             {"id": "b2", "exit_code": None, "state": "running", "daemon_exited_at": None,
+              "gone_at": None, "last_sync_at": "1970-01-01T00:00:00.050000+00:00"}]
+    for box in boxes:
+        for f, value, at_ns in sandbox_observations(box):
+            day.history.observe("agent:a1", f, value, time_ns=at_ns)
+    [sample] = time_to_stop(day.history)
+    assert (sample.daemon_exit_ns, sample.daemon_exit_code) == (30 * MS, 3)
+    assert sample.sandbox_gone_ns == 75 * MS
+    assert [f for f, _, _ in sandbox_observations(boxes[1])] == ["home_sync"]

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from harness.checkers import FinalState, home_is_last_sync, no_blind_restart_after_trip
+from harness.checkers import (
+    FinalState,
+    home_is_last_sync,
+    no_blind_restart_after_trip,
+    nothing_left_of_killed_agent,
+)
 from harness.measures import (
     deletions_after_kill,
     failing_service_calls,
@@ -41,7 +46,18 @@ def test_work_lost_counts_unsynced_work_and_what_the_sandbox_deleted() -> None:
     home(day, "a1", "sandbox_at_kill", {"b.txt": 60, "new.txt": 7}, 20)
     assert work_lost(day.history, FINAL) == {"a1": {
         "files_lost": 2, "bytes_lost": 67, "files_deleted_in_sandbox": 1,
-        "bytes_deleted_in_sandbox": 100}}
+        "bytes_deleted_in_sandbox": 100, "last_sync_to_kill_ms": None}}
+
+
+def test_work_lost_says_how_old_the_last_sync_was_at_the_kill() -> None:
+    day = GameDay()
+    day.history.observe("agent:a1", "home_sync", {"sandbox_id": "b0"}, time_ns=40 * MS)
+    home(day, "a1", "last_sync", {"a.txt": 100}, 50)
+    day.history.observe("agent:a1", "home_sync", {"sandbox_id": "b1"}, time_ns=60 * MS)
+    day.kill_agent("a1", 100, 120)
+    day.history.observe("agent:a1", "home_sync", {"sandbox_id": "b2"}, time_ns=300 * MS)
+    home(day, "a1", "sandbox_at_kill", {}, 200)
+    assert work_lost(day.history, FINAL)["a1"]["last_sync_to_kill_ms"] == 40.0
 
 
 def test_deletions_after_the_kill_request_and_the_last_one() -> None:
@@ -116,3 +132,22 @@ def test_no_blind_restart_after_a_trip_passes_and_fails() -> None:
     day.seen("session_start", "a2", 20)  # nobody released it
     verdict = no_blind_restart_after_trip(day.history, FINAL)
     assert verdict.valid is False and "agent a2 started a session" in verdict.message
+
+
+def test_nothing_left_of_a_killed_agent_passes_fails_and_cannot_tell() -> None:
+    def day_with(*looks: tuple[float, list[str]]) -> GameDay:
+        day = GameDay()
+        day.seen("sandbox_remains", "a1", 50, remains=["process 7 (coveyd)"])  # before: up
+        day.kill_agent("a1", 100, 120)
+        for at_ms, remains in looks:
+            day.seen("sandbox_remains", "a1", at_ms, remains=remains)
+        return day
+
+    held = nothing_left_of_killed_agent(day_with((200, [])).history, FINAL)
+    assert held.valid is True, held.message
+    left = nothing_left_of_killed_agent(
+        day_with((200, []), (900, ["container 1a2b (running)"])).history, FINAL)
+    assert left.valid is False and "container 1a2b (running)" in left.message
+    assert nothing_left_of_killed_agent(day_with().history, FINAL).valid == "unknown"
+    # A look before the kill was acknowledged judges nothing.
+    assert nothing_left_of_killed_agent(day_with((110, [])).history, FINAL).valid == "unknown"
