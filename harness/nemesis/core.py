@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness.nemesis import halt
 from harness.nemesis.containers import (
     ContainerFault,
     ContainerKill,
@@ -239,8 +240,10 @@ class Nemesis:
 
     # ---------------------------------------------------------------- the end of a game day
 
-    async def heal_all(self, how: HealedBy = "heal") -> list[FaultRecord]:
-        """Heal every fault still standing, at once; returns them."""
+    async def heal_all(self, how: HealedBy | None = None) -> list[FaultRecord]:
+        """Heal every fault still standing, at once; returns them. Logged as healed by the
+        halt while a halt stands (it is why a game day ends this way), else by "heal"."""
+        how = how or ("halt" if halt.standing() is not None else "heal")
         healed = await self._faults.heal_all(how)
         for proxy in self._proxies.values():
             with contextlib.suppress(Exception):  # the record says why; verify_healed tells

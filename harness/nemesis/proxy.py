@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import socket
 import struct
@@ -51,7 +50,7 @@ from harness.nemesis.faults import (
     check_proxy_fault,
 )
 from harness.nemesis.standing import Fault, StandingFaults
-from harness.nemesis.watchdog import HealOrder
+from harness.nemesis.watchdog import HealOrder, alive
 from harness.waiting import eventually
 
 CHUNK = 65536
@@ -530,16 +529,6 @@ def _address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 async def _serve_alone(args: argparse.Namespace) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -556,7 +545,7 @@ async def _serve_alone(args: argparse.Namespace) -> None:
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), OWNER_POLL_S)
-            if args.owner_pid and not _alive(args.owner_pid):
+            if args.owner_pid and not alive(args.owner_pid):
                 break
 
 

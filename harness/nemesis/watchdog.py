@@ -85,6 +85,16 @@ class FaultRegistry:
         return found
 
 
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _safe(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
 
