@@ -21,6 +21,7 @@ from harness.nemesis.containers import (
     network_settings,
     reconnect_settings,
 )
+from harness.nemesis.database import EmbeddedPostgres, PostgresContainer
 from harness.nemesis.faults import BadFault, FaultRecord, HealedBy, HealReport, check_deadline
 from harness.nemesis.processes import ProcessKill, ProcessPause
 from harness.nemesis.proxy import FaultProxy, RemoteFaultProxy
@@ -55,6 +56,8 @@ class Nemesis:
         self._docker = docker_client
         # On a stack reused by several game days, each judges only the faults since its start.
         self._since_ns = 0
+        # The game day's Postgres, where the stack can fault it (processes, containers).
+        self.database: EmbeddedPostgres | PostgresContainer | None = None
 
     async def __aenter__(self) -> Nemesis:
         return self
@@ -139,6 +142,52 @@ class Nemesis:
         record = self._faults.instant(fault)
         await self._faults.end_for_instant(fault.key, lift=False)
         return record
+
+    # ---------------------------------------------------------------- the database
+
+    def _the_database(self) -> EmbeddedPostgres | PostgresContainer:
+        if self.database is None:
+            raise BadFault("No database to fault", "this stack does not run the database "
+                           "(a deployment's is not the harness's to pause or restart).")
+        return self.database
+
+    async def pause_database(self, deadline_s: float) -> FaultRecord:
+        """Freeze Postgres (every process of it, sockets open) until the deadline."""
+        check_deadline(deadline_s)
+        database = self._the_database()
+        if isinstance(database, PostgresContainer):
+            return await self.pause_container(database.name, deadline_s)
+        record, _ = await self._faults.start(database.pause(), deadline_s)
+        return record
+
+    async def restart_database(self, deadline_s: float) -> FaultRecord:
+        """Stop Postgres at once (a crash, as its clients see it) and start it again at the
+        deadline."""
+        check_deadline(deadline_s)
+        database = self._the_database()
+        if isinstance(database, PostgresContainer):
+            return await self.stop_container(database.name, deadline_s, timeout_s=0)
+        record, _ = await self._faults.start(database.restart(), deadline_s)
+        return record
+
+    async def resume_database(self) -> FaultRecord | None:
+        """Heal the database's standing fault at once (None when it has none)."""
+        database = self._the_database()
+        if isinstance(database, PostgresContainer):
+            return await self.resume_container(database.name)
+        return await self._faults.heal("postgres")
+
+    async def kill_sandbox(self, sandbox: dict[str, Any]) -> FaultRecord:
+        """SIGKILL a sandbox's daemon as the API shows the sandbox: its process on the
+        process backend, its container on the docker backend."""
+        handle, backend = sandbox.get("handle"), sandbox.get("backend")
+        if not handle:
+            raise BadFault("No handle", f"sandbox {sandbox.get('id')} has no handle yet.")
+        if backend == "process":
+            return await self.kill_process(int(handle))
+        if backend == "docker":
+            return await self.kill_container(handle)
+        raise BadFault("Unknown sandbox backend", f"cannot kill a {backend!r} sandbox.")
 
     # ---------------------------------------------------------------- containers
     # `container` is a name or an id, and `network` too; one fault per container at a time.
