@@ -18,7 +18,7 @@ from uuid import UUID, uuid4
 
 import structlog
 
-from covey.db import BatchedWrite, Pool
+from covey.db import BatchedWrite, Pool, through_outage
 
 log = structlog.get_logger(__name__)
 
@@ -345,9 +345,12 @@ class Runner:
                      warm: bool) -> None:
         code = await self._provider.wait(handle)
         self._handles.pop(sandbox_id, None)
-        await self._record_exit.write(sandbox_id, code)
+        # Daemons stop on their own when the database goes away (their leases lapse): their
+        # exits come in just then, and must be recorded once it is back.
+        await through_outage(lambda: self._record_exit.write(sandbox_id, code), "sandbox exit")
         log.info("sandbox exited", sandbox_id=str(sandbox_id), exit_code=code)
-        clean = await self._on_exit(sandbox_id, session_id, code) and code == 0
+        clean = await through_outage(lambda: self._on_exit(sandbox_id, session_id, code),
+                                     "daemon loss") and code == 0
         if clean and warm:
             parked = await self._pool.fetchval(
                 "UPDATE sandboxes SET state='parked', handle=NULL, parked_at=now()"
@@ -357,7 +360,7 @@ class Runner:
         elif clean:
             await self.fall_asleep(sandbox_id, agent_id)
         else:
-            await self._record_gone.write(sandbox_id)
+            await through_outage(lambda: self._record_gone.write(sandbox_id), "sandbox gone")
             await asyncio.to_thread(self._prune_evidence, agent_id)
         self._exited.pop(sandbox_id, asyncio.Event()).set()
 
