@@ -316,6 +316,25 @@ class Runner:
             pool, "UPDATE sandboxes SET state='gone', ended_at=now()"
                   " WHERE id = ANY($1::uuid[]) AND state IN ('starting','running')")
 
+    async def settle_previous_life(self, lease_s: float) -> None:
+        """After a crash, the sandboxes this node started in its previous life (same host and
+        port: only one process can hold them) are nobody's: their daemons lost their control
+        plane and stop within their lease. Once that has passed, tear down what is left (a
+        container) and record them gone, or their rows would say `running` for ever."""
+        host_port = self.node.rsplit(":", 1)[0]
+        await asyncio.sleep(lease_s)
+        orphans = await self._pool.fetch(
+            "SELECT id, handle FROM sandboxes WHERE state IN ('starting','running','parked')"
+            " AND node LIKE $1 || ':%' AND node <> $2", host_port, self.node)
+        for row in orphans:
+            if row["handle"] and self.backend == "docker":
+                await self._provider.destroy(row["handle"])
+            await self._record_gone.write(row["id"])
+            await self._pool.execute("UPDATE sandboxes SET state='gone', ended_at=now()"
+                                     " WHERE id=$1 AND state='parked'", row["id"])
+        if orphans:
+            log.warning("sandboxes of a previous life settled", count=len(orphans))
+
     @property
     def backend(self) -> str:
         return self._provider.name
