@@ -481,10 +481,19 @@ class RemoteFaultProxy(_ProxyFaults):
     async def refresh(self) -> None:
         import httpx
 
-        async with httpx.AsyncClient(timeout=10) as http:
-            r = await http.get(f"{self.control_url}/faults")
-            r.raise_for_status()
-            state = r.json()
+        try:
+            async with httpx.AsyncClient(timeout=10) as http:
+                r = await http.get(f"{self.control_url}/faults")
+                r.raise_for_status()
+                state = r.json()
+        except httpx.HTTPError as exc:
+            # Gone (its stack torn down under it, a signal to its process group): it healed on
+            # its way out if it could, but that is not seen here, so a fault it held stays
+            # unhealed in the log, saying why; the rest of a teardown goes on.
+            if self._active is not None:
+                for record in (self._active, *(r for r in self._log if r.id == self._active.id)):
+                    record.note = f"the proxy {self.name} did not answer: {exc!r}"
+            return
         self._log = [FaultRecord.from_json(row) for row in state["log"]]
         self._active = None if state["active"] is None else FaultRecord.from_json(
             state["active"])
