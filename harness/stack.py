@@ -31,6 +31,7 @@ import uvicorn
 
 from harness.nemesis import FaultRecord, Nemesis, RemoteFaultProxy
 from harness.nemesis.database import EmbeddedPostgres, PostgresContainer
+from harness.nemesis.watchdog import alive
 from harness.puppet import LocalPuppet, Puppet, PuppetControl, RemotePuppet, create_app
 
 ADMIN_PASSWORD = "game-day-admin-password"
@@ -331,7 +332,7 @@ def reap_stale_game_days() -> list[str]:
     try:
         for container in client.containers.list(all=True, filters={"label": HARNESS_LABEL}):
             owner = int(container.labels.get("covey.owner_pid", "0") or 0)
-            if owner and _alive(owner):
+            if owner and alive(owner):
                 continue
             gameday = container.labels.get("covey.gameday", "")
             for c in client.containers.list(all=True,
@@ -340,22 +341,12 @@ def reap_stale_game_days() -> list[str]:
             reaped.append(gameday)
         for network in client.networks.list(filters={"label": HARNESS_LABEL}):
             owner = int(network.attrs.get("Labels", {}).get("covey.owner_pid", "0") or 0)
-            if not (owner and _alive(owner)):
+            if not (owner and alive(owner)):
                 with contextlib.suppress(docker.errors.APIError):
                     network.remove()
     finally:
         client.close()
     return sorted(set(reaped))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class PlaneContainer:

@@ -6,6 +6,7 @@ nothing broken, and a check at the end of a game day that every fault did heal.
 * `proxy`: the TCP fault proxy (latency, blackhole, reset, down) with its control API;
   `python -m harness.nemesis` runs one on its own;
 * `processes`, `containers`: SIGSTOP/SIGKILL of processes, docker pause/stop/disconnect/kill;
+* `database`: Postgres paused or restarted (the embedded server, or its container);
 * `watchdog`: heal orders as plain data, carried out by a detached watchdog at a fault's
   deadline when the harness cannot, and the on-disk list of standing faults;
 * `halt`: the harness's own stop switch (`gameday halt`);
