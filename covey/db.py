@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from importlib import resources
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 import asyncpg
 import structlog
 from asyncpg.pool import PoolConnectionProxy
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 Pool = asyncpg.Pool
 # A pooled connection is a proxy; functions that run SQL take either.
@@ -31,6 +33,30 @@ async def create_pool(url: str, min_size: int = 2, max_size: int = 20) -> Pool:
     if pool is None:  # pragma: no cover - asyncpg returns None only without awaiting
         raise RuntimeError("asyncpg returned no pool")
     return pool
+
+
+# What a database that is away raises (refused, restarting, its connection cut): the API
+# answers it with a 503, and writes that must survive an outage retry it.
+UNREACHABLE: tuple[type[Exception], ...] = (
+    OSError, asyncpg.PostgresConnectionError, asyncpg.exceptions.OperatorInterventionError)
+OUTAGE_RETRY_S = (0.2, 0.5, 1.0, 2.0)  # then every 2 s
+OUTAGE_GIVE_UP_S = 600.0
+
+
+async def through_outage(write: Callable[[], Awaitable[T]], what: str) -> T:
+    """A write that must not be lost to a database outage (a sandbox's exit seen while the
+    database restarts: lost, its row would say `running` for ever). Retried while the
+    database is unreachable, for up to OUTAGE_GIVE_UP_S; other errors pass through."""
+    deadline = asyncio.get_running_loop().time() + OUTAGE_GIVE_UP_S
+    for attempt in itertools.count():
+        try:
+            return await write()
+        except UNREACHABLE as exc:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            log.warning("database unreachable; retrying", what=what, error=repr(exc))
+            await asyncio.sleep(OUTAGE_RETRY_S[min(attempt, len(OUTAGE_RETRY_S) - 1)])
+    raise AssertionError("unreachable")  # pragma: no cover - count() never ends
 
 
 def _migrations() -> list[tuple[str, str]]:

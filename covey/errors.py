@@ -17,6 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from covey.db import UNREACHABLE
+
 log = structlog.get_logger(__name__)
 
 
@@ -102,6 +104,21 @@ def install(app: FastAPI) -> None:
         status, error, hint, details = _validation_message(exc)
         body = error_body(error, hint, details=details) if details else error_body(error, hint)
         return JSONResponse(body, status_code=status)
+
+    # The database gone (refused, restarting, its connection cut): a 503 that says so, never
+    # a 500 "bug" nor a 200. A kill that meets it may have been recorded in part; the hint
+    # says to pull it again, which is safe: every switch is idempotent.
+    async def _database_unreachable(_: Request, exc: Exception) -> JSONResponse:
+        log.warning("database unreachable", error=repr(exc))
+        return JSONResponse(error_body(
+            "Database unreachable",
+            "Nothing can be recorded until it is back, so this request may not have taken "
+            "effect: retry it (kills and resumes are safe to repeat); GET /healthz tells "
+            "when the database answers again."), status_code=503,
+            headers={"Retry-After": "1"})
+
+    for unreachable in UNREACHABLE:
+        app.add_exception_handler(unreachable, _database_unreachable)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

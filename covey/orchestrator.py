@@ -521,17 +521,23 @@ class Orchestrator:
                 WITH moved AS (
                     UPDATE backlog_tasks SET daemon_retries=daemon_retries+1,
                            state=CASE WHEN daemon_retries+1 > $2 THEN 'failed' ELSE 'open' END,
+                           -- A task given up on says why where its result would be: the
+                           -- operator who finds it failed need not dig through transitions.
+                           result=CASE WHEN daemon_retries+1 > $2
+                                  THEN 'failed: its daemon was lost ' || (daemon_retries+1)
+                                       || ' times (at most ' || $2 || ' retries); last: ' || $3
+                                  ELSE result END,
                            claim_token=NULL, claimed_by=NULL, updated_at=now()
                     WHERE claimed_by=$1 AND state='in_progress'
                     RETURNING id, state, daemon_retries
                 ), logged AS (
                     INSERT INTO task_transitions (task_id, from_state, to_state, note)
                     SELECT id, 'in_progress', state,
-                           'daemon lost (retry ' || daemon_retries || ')' FROM moved
+                           'daemon lost (retry ' || daemon_retries || '): ' || $3 FROM moved
                 )
                 SELECT id, state FROM moved
                 """,
-                session_id, max_retries,
+                session_id, max_retries, why,
             )
             agent = await conn.fetchrow(
                 "UPDATE agents SET status='sleeping' WHERE id=$1 AND NOT killed"

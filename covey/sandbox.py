@@ -20,7 +20,7 @@ from uuid import UUID, uuid4
 
 import structlog
 
-from covey.db import BatchedWrite, Pool
+from covey.db import BatchedWrite, Pool, through_outage
 
 log = structlog.get_logger(__name__)
 
@@ -444,6 +444,24 @@ class Runner:
                   " ELSE s.state END"
                   " FROM unnest($1::uuid[], $2::timestamptz[]) AS x(id, at) WHERE s.id=x.id")
 
+    async def settle_previous_life(self, lease_s: float) -> None:
+        """After a crash, the sandboxes this node started in its previous life (same host and
+        port: only one process can hold them) are nobody's: their daemons lost their control
+        plane and stop within their lease. Once that has passed, tear down what is left (a
+        container) and record them gone, or their rows would say `running` for ever."""
+        host_port = self.node.rsplit(":", 1)[0]
+        await asyncio.sleep(lease_s)
+        orphans = await self._pool.fetch(
+            "SELECT id, handle FROM sandboxes WHERE state IN ('starting','running','parked')"
+            " AND node LIKE $1 || ':%' AND node <> $2", host_port, self.node)
+        for row in orphans:
+            if row["handle"] and self.backend == "docker":
+                await self._provider.destroy(row["handle"])
+            # Gone by now at the latest: its daemon's lease has run out.
+            await self._record_gone.write(row["id"], _at(time.time_ns()))
+        if orphans:
+            log.warning("sandboxes of a previous life settled", count=len(orphans))
+
     @property
     def backend(self) -> str:
         return self._provider.name
@@ -481,7 +499,10 @@ class Runner:
         try:
             exit_ = await self._provider.wait(handle)
             self._handles.pop(sandbox_id, None)
-            await self._record_exit.write(sandbox_id, exit_.code, _at(exit_.at_ns))
+            # Daemons stop on their own when the database goes away (their leases lapse):
+            # their exits come in just then, and must be recorded once it is back.
+            await through_outage(lambda: self._record_exit.write(
+                sandbox_id, exit_.code, _at(exit_.at_ns)), "sandbox exit")
             log.info("sandbox exited", sandbox_id=str(sandbox_id), exit_code=exit_.code)
             gone: datetime | None = None
             try:
@@ -490,12 +511,14 @@ class Runner:
             except Exception as exc:  # over, but no gone_at: nobody may read it as gone
                 log.error("sandbox not removed", sandbox_id=str(sandbox_id), error=str(exc))
             session_id = self._session_of.pop(sandbox_id)
-            clean = await self._on_exit(sandbox_id, session_id, exit_.code) and exit_.code == 0
+            clean = await through_outage(lambda: self._on_exit(
+                sandbox_id, session_id, exit_.code), "daemon loss") and exit_.code == 0
             if clean and sandbox_id not in self._evicting:
                 await self.fall_asleep(sandbox_id, agent_id, gone)
                 return
             # The state changes with gone_at: 'gone' is only ever read with nothing left.
-            await self._record_gone.write(sandbox_id, gone)
+            await through_outage(lambda: self._record_gone.write(sandbox_id, gone),
+                                 "sandbox gone")
             if sandbox_id in self._evicting:
                 self._evicting.discard(sandbox_id)
                 await self._discard(sandbox_id, agent_id)

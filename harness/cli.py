@@ -1,6 +1,7 @@
 """The `gameday` command line.
 
     gameday run [SCENARIO...] [--stack processes] [--agents 5] [--seed 7]
+    gameday halt [--reason TEXT]        gameday halt --release
     gameday report JOURNAL       gameday trend       gameday gate
     gameday load --users 50 --spawn-rate 10 --run-time 2m --agents 20 [--stack processes]
 """
@@ -23,6 +24,7 @@ from rich.table import Table
 
 from harness.load.runner import LoadPlan, LoadResult, load_environment, prepare_fleet, run_load
 from harness.load.runner import run_seconds as _run_seconds
+from harness.nemesis import halt
 from harness.report import runs
 from harness.report.page import write_page
 from harness.report.trend import write_index
@@ -82,6 +84,10 @@ def run(
     # This command is the harness package already imported, so pytest cannot rewrite the
     # asserts of the plugin's own modules (it warns); they carry their messages themselves.
     # Game-day modules are imported by pytest and rewritten as ever.
+    refused = halt.refusal()
+    if refused is not None:
+        console.print(refused)
+        raise typer.Exit(2)
     given = scenarios or []
     # Click hands pytest's own options (-x, -k EXPR) over among the arguments: without a
     # file or node id among them, the game days are scenarios/ (not the whole test suite).
@@ -108,6 +114,33 @@ def run(
     finally:
         phases.removeHandler(handler)
     raise typer.Exit(int(code))
+
+
+@app.command(name="halt")
+def halt_command(
+    reason: Annotated[str, typer.Option(help="why: it goes into every aborted journal")]
+        = "halted by hand",
+    release: Annotated[bool, typer.Option("--release", help="release a standing halt: game "
+                                          "days may start again")] = False,
+) -> None:
+    """The harness's own stop switch: heal every standing fault of every game day on this
+    machine at once, stop the running game days (their journals say `aborted` with the
+    reason), and refuse new ones until `gameday halt --release`."""
+    if release:
+        released = halt.release()
+        console.print("no halt stood" if released is None
+                      else f"halt released (it stood since {released['at']}: "
+                           f"{released['reason']})")
+        return
+    pulled = halt.pull(reason)
+    console.print(f"halt pulled ({reason}): {len(pulled.healed)} faults healed, "
+                  f"{len(pulled.stopped_harnesses)} game days stopped "
+                  f"{pulled.stopped_harnesses or ''}".rstrip())
+    for fault_id, why in pulled.failed.items():
+        console.print(f"  could not heal {fault_id}: {why}")
+    console.print("new game days are refused until `gameday halt --release`")
+    if pulled.failed:
+        raise typer.Exit(1)
 
 
 @app.command()

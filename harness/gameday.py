@@ -40,6 +40,7 @@ from harness.history import History
 from harness.isolation import Organisation, agent_slug, run_id
 from harness.measure import TimeToStop, summarize, time_to_stop
 from harness.measures import Measure
+from harness.nemesis import halt
 from harness.operator import Operator, Until
 from harness.puppet import Behaviour, behaviour_name, resolve
 from harness.remains import remains_of
@@ -138,6 +139,7 @@ class GameDay:
     probe_agents: list[str] = field(default_factory=list)
     journal_sections: dict[str, Any] = field(default_factory=dict)
     journal_path: Path | None = None
+    aborted_reason: str | None = None  # why the game day broke off, for its journal
     started_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
     scenario: str = ""  # the pytest node id: what the replay command runs
     fake: Faker = field(init=False)
@@ -400,6 +402,7 @@ class GameDay:
             "game_day": self.name,
             "scenario": self.scenario,
             "status": status,
+            **({"aborted_reason": self.aborted_reason} if status == "aborted" else {}),
             "started_at": self.started_at,
             "ended_at": datetime.now(UTC).isoformat(),
             "stack": self.stack,
@@ -463,6 +466,10 @@ class GameDay:
             status = "completed"
         except AssertionError:
             status = "failed"
+            raise
+        except BaseException as exc:  # Ctrl-C, SIGTERM, the halt switch, a broken stack
+            self.aborted_reason = halt.abort_reason(exc)
+            self.notes.append(f"aborted: {self.aborted_reason}")
             raise
         finally:
             if outcome.final is None:

@@ -19,6 +19,7 @@ from harness.checkers import CHECKERS, Checker
 from harness.gameday import GameDay, phases
 from harness.isolation import isolation_header
 from harness.measures import MEASURES, Measure
+from harness.nemesis import halt
 from harness.report.summary import (
     game_day_written,
     pytest_sessionfinish,
@@ -188,6 +189,9 @@ async def gameday(request: pytest.FixtureRequest, reused_stack: Endpoints | None
     day's organisation and people, the steady-state hypothesis checked; rolled back and torn
     down afterwards, also when the test fails."""
     config = request.config
+    refused_by_halt = halt.refusal()
+    if refused_by_halt is not None:
+        pytest.fail(refused_by_halt, pytrace=False)
     name, _ = _stack_name(config)
     if reused_stack is not None:
         reused_stack.nemesis.begin_game_day()
@@ -202,7 +206,7 @@ async def gameday(request: pytest.FixtureRequest, reused_stack: Endpoints | None
                         f"be given one")
         stack.tick_ms = int(tick.args[0])
     async with (contextlib.nullcontext(cast(Endpoints, reused_stack)) if stack is None
-                else stack.up()) as endpoints:
+                else stack.up()) as endpoints, halt.game_day_running():
         required = required_checkers(request.node)
         day = GameDay(name=request.node.name, stack=name, endpoints=endpoints,
                       seed=_seed(config), report_dir=Path(config.getoption("--report-dir")),
@@ -287,6 +291,7 @@ MEASURES_MARK = "measures"
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    halt.stop_on_sigterm()
     config.addinivalue_line(
         "markers", f"{DECIDES}(*checkers): checkers this game day must be able to decide; an "
                    f"`unknown` verdict from one of them fails it")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from harness.client import ApiFailure, CoveyClient, json_of
+from harness.nemesis import halt
 from harness.steady import standing_stop
 from harness.waiting import eventually
 
@@ -187,6 +188,7 @@ def amend_journal(day: GameDay, report: RollbackReport) -> None:
     """The rollback happens after the journal was written: add it there."""
     path = day.journal_path
     if path is None:
+        day.aborted_reason = day.aborted_reason or halt.abort_reason(None)
         path = day.journal("aborted", [], [], {})
     document = json.loads(path.read_text())
     document["rollback"] = report.to_json()

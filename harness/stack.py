@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -28,7 +29,9 @@ from typing import Any, Protocol
 import httpx
 import uvicorn
 
-from harness.nemesis import Nemesis, RemoteFaultProxy
+from harness.nemesis import FaultRecord, Nemesis, RemoteFaultProxy
+from harness.nemesis.database import EmbeddedPostgres, PostgresContainer
+from harness.nemesis.watchdog import alive
 from harness.puppet import LocalPuppet, Puppet, PuppetControl, RemotePuppet, create_app
 
 ADMIN_PASSWORD = "game-day-admin-password"
@@ -54,6 +57,19 @@ class Endpoints:
     # machine (processes and containers stacks), which holds the agents' homes.
     lease_ms: int | None = None
     data_dir: Path | None = None
+    # The control plane as a part the nemesis can crash and the stack can start again, where
+    # the stack started it (processes, containers).
+    control_plane: ControlPlane | None = None
+
+
+class ControlPlane(Protocol):
+    async def kill(self) -> FaultRecord:
+        """SIGKILL the control plane (its sandboxes live on), logged by the nemesis."""
+        ...
+
+    async def start(self) -> None:
+        """Start it again as the stack first did; returns once it answers /healthz."""
+        ...
 
 
 class Stack(Protocol):
@@ -138,6 +154,76 @@ async def puppet_process(log_dir: Path) -> AsyncIterator[RemotePuppet]:
             await process.wait()
 
 
+@asynccontextmanager
+async def proxy_process(name: str, target_port: int, log_dir: Path
+                        ) -> AsyncIterator[RemoteFaultProxy]:
+    """A fault proxy in front of 127.0.0.1:`target_port` in a process of its own: its faults
+    heal on their deadlines whatever the harness's event loop is doing, and even after the
+    harness died (it then heals and exits)."""
+    with (log_dir / f"proxy-{name}-{os.getpid()}.log").open("ab") as log:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "harness.nemesis", "--name", name,
+            "--target", f"127.0.0.1:{target_port}", "--owner-pid", str(os.getpid()),
+            stdout=asyncio.subprocess.PIPE, stderr=log)
+    try:
+        assert process.stdout is not None
+        line = await asyncio.wait_for(process.stdout.readline(), 30)
+        if not line:
+            raise RuntimeError(f"the fault proxy {name} exited on start; see {log.name}")
+        where = json.loads(line)
+        yield RemoteFaultProxy(name, where["control"],
+                               port=int(where["listen"].rpartition(":")[2]))
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            await process.wait()
+
+
+class PlaneProcess:
+    """`covey serve` as a subprocess, which the nemesis may SIGKILL and the stack start
+    again on the same port, database and data folder."""
+
+    def __init__(self, nemesis: Nemesis, port: int, env: dict[str, str],
+                 log_path: Path) -> None:
+        self.nemesis, self.port, self.env, self.log_path = nemesis, port, env, log_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.process: asyncio.subprocess.Process | None = None
+
+    async def start_once(self) -> dict[str, str]:
+        with self.log_path.open("ab") as log:
+            self.process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "covey", "serve", "--port", str(self.port),
+                env=self.env, stdout=log, stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True)
+        return await wait_until_healthy(self.url, 60, self.process)
+
+    async def start(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            raise RuntimeError("the control plane is still running: kill it first")
+        await self.start_once()
+
+    async def kill(self) -> FaultRecord:
+        # Only the control plane itself, not its process group: its sandboxes' daemons live
+        # on, as they would on a machine whose control plane crashed.
+        assert self.process is not None
+        record = await self.nemesis.kill_process(self.process.pid)
+        await self.process.wait()
+        return record
+
+    async def stop(self) -> None:
+        process = self.process
+        if process is None or process.returncode is not None:
+            return
+        # SIGTERM: the control plane destroys its sandboxes on the way out.
+        process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), 30)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+
+
 @dataclass
 class ProcessesStack:
     """Embedded Postgres (pgserver), `covey serve` as a subprocess with the process sandbox
@@ -154,7 +240,7 @@ class ProcessesStack:
         self.report_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.report_dir / f"control-plane-{workdir.name}.log"
         server = None
-        plane: asyncio.subprocess.Process | None = None
+        plane: PlaneProcess | None = None
         try:
             import pgserver  # type: ignore[attr-defined,unused-ignore]
 
@@ -162,10 +248,12 @@ class ProcessesStack:
                 pgserver.get_server,  # type: ignore[attr-defined]
                 workdir / "pg", cleanup_mode="stop")
             database_url = str(server.get_uri())
-            async with puppet_process(self.report_dir) as puppet, Nemesis() as nemesis:
+            async with (puppet_process(self.report_dir) as puppet, Nemesis() as nemesis,
+                        proxy_process("control-channel", port := free_port(),
+                                      self.report_dir) as channel):
+                await nemesis.add_remote(channel)
+                nemesis.database = EmbeddedPostgres(workdir / "pg", server.system_user)
                 puppet_url = f"{puppet.url}/v1"
-                port = free_port()
-                channel = await nemesis.proxy("control-channel", "127.0.0.1", port)
                 env = {**os.environ, "DATABASE_URL": database_url,
                        "COVEY_PUBLIC_WS_URL": f"ws://127.0.0.1:{channel.port}/api/daemon/ws",
                        "COVEY_DATA_DIR": str(workdir / "data"),
@@ -183,29 +271,21 @@ class ProcessesStack:
                 _, err = await boot.communicate()
                 if boot.returncode != 0:
                     raise RuntimeError(f"covey bootstrap failed: {err.decode()[-2000:]}")
-                with log_path.open("ab") as log:
-                    plane = await asyncio.create_subprocess_exec(
-                        sys.executable, "-m", "covey", "serve", "--port", str(port), env=env,
-                        stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
-                url = f"http://127.0.0.1:{port}"
-                health = await wait_until_healthy(url, 60, plane)
-                yield Endpoints(url, admin, ADMIN_PASSWORD, puppet, puppet_url,
+                plane = PlaneProcess(nemesis, port, env, log_path)
+                health = await plane.start_once()
+                yield Endpoints(plane.url, admin, ADMIN_PASSWORD, puppet, puppet_url,
                                 {"covey": health.get("version", "?"),
                                  "python": sys.version.split()[0]}, nemesis,
                                 platform, ADMIN_PASSWORD, lease_ms=lease_of(health),
-                                data_dir=workdir / "data")
+                                data_dir=workdir / "data", control_plane=plane)
         finally:
-            if plane is not None and plane.returncode is None:
-                # SIGTERM: the control plane destroys its sandboxes on the way out.
-                plane.send_signal(signal.SIGTERM)
-                try:
-                    await asyncio.wait_for(plane.wait(), 30)
-                except TimeoutError:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(plane.pid, signal.SIGKILL)
-                    await plane.wait()
+            if plane is not None:
+                await plane.stop()
             if server is not None:
                 await asyncio.to_thread(server.cleanup)
+                # A server the nemesis restarted is not the one pgserver knows to stop.
+                await asyncio.to_thread(EmbeddedPostgres(workdir / "pg",
+                                                         server.system_user).stop)
             shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -242,8 +322,9 @@ POSTGRES_SCRIPT = (
     "set -e; install -d -o postgres /var/lib/covey-pg; "
     "su postgres -s /bin/sh -c '"
     "PG=$(ls -d /usr/lib/postgresql/*/bin | tail -1); "
-    "$PG/initdb -D /var/lib/covey-pg/data --auth=trust -U postgres >/dev/null; "
-    "echo \"host all all 0.0.0.0/0 trust\" >> /var/lib/covey-pg/data/pg_hba.conf; "
+    "test -f /var/lib/covey-pg/data/PG_VERSION || { "
+    "$PG/initdb -D /var/lib/covey-pg/data --auth=trust -U postgres >/dev/null && "
+    "echo \"host all all 0.0.0.0/0 trust\" >> /var/lib/covey-pg/data/pg_hba.conf; }; "
     "exec $PG/postgres -D /var/lib/covey-pg/data -c listen_addresses=* -c fsync=off "
     "-c max_connections=300'"
 )
@@ -260,7 +341,7 @@ def reap_stale_game_days() -> list[str]:
     try:
         for container in client.containers.list(all=True, filters={"label": HARNESS_LABEL}):
             owner = int(container.labels.get("covey.owner_pid", "0") or 0)
-            if owner and _alive(owner):
+            if owner and alive(owner):
                 continue
             gameday = container.labels.get("covey.gameday", "")
             for c in client.containers.list(all=True,
@@ -269,7 +350,7 @@ def reap_stale_game_days() -> list[str]:
             reaped.append(gameday)
         for network in client.networks.list(filters={"label": HARNESS_LABEL}):
             owner = int(network.attrs.get("Labels", {}).get("covey.owner_pid", "0") or 0)
-            if not (owner and _alive(owner)):
+            if not (owner and alive(owner)):
                 with contextlib.suppress(docker.errors.APIError):
                     network.remove()
     finally:
@@ -277,14 +358,28 @@ def reap_stale_game_days() -> list[str]:
     return sorted(set(reaped))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+class PlaneContainer:
+    """The control plane's container: killed by the nemesis, started again as it was (its
+    command bootstraps idempotently, then serves; its port stays published)."""
+
+    def __init__(self, nemesis: Nemesis, name: str, url: str) -> None:
+        self.nemesis, self.name, self.url = nemesis, name, url
+
+    async def kill(self) -> FaultRecord:
+        return await self.nemesis.kill_container(self.name)
+
+    async def start(self) -> None:
+        import docker
+
+        def start() -> None:
+            client = docker.from_env()
+            try:
+                client.containers.get(self.name).start()
+            finally:
+                client.close()
+
+        await asyncio.to_thread(start)
+        await wait_until_healthy(self.url, 90)
 
 
 @dataclass
@@ -334,7 +429,7 @@ class ContainersStack:
 
         try:
             await asyncio.to_thread(network.create)
-            await asyncio.to_thread(start, DockerContainer(self.image)
+            postgres = await asyncio.to_thread(start, DockerContainer(self.image)
                                                .with_network(network)
                                                .with_network_aliases("postgres")
                                                .with_kwargs(labels=labels)
@@ -402,13 +497,17 @@ class ContainersStack:
             async with Nemesis() as nemesis:
                 await nemesis.add_remote(RemoteFaultProxy(
                     "control-channel", f"http://127.0.0.1:{channel_port}"))
+                nemesis.database = PostgresContainer(
+                    str(postgres.get_wrapped_container().name))
                 yield Endpoints(url, admin, ADMIN_PASSWORD,
                                 RemotePuppet(f"http://127.0.0.1:{puppet_port}"),
                                 "http://puppet:9000/v1",
                                 {"covey": health.get("version", "?"), "image": self.image,
                                  "python": sys.version.split()[0]}, nemesis,
                                 platform, ADMIN_PASSWORD, lease_ms=lease_of(health),
-                                data_dir=workdir / "data")  # the same path on this host
+                                data_dir=workdir / "data",  # the same path on this host
+                                control_plane=PlaneContainer(
+                                    nemesis, str(plane.get_wrapped_container().name), url))
         finally:
             await asyncio.to_thread(self._tear_down, containers, network, gameday, workdir)
 

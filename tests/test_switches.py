@@ -242,9 +242,12 @@ async def test_daemon_loss_requeues_with_retries_then_fails(world: World) -> Non
     agent = await world.agent()
     task = await world.task(agent["id"], "crash")
     await world.wait_task(task["id"], "failed", timeout=60)
-    row = await world.db.fetchrow("SELECT daemon_retries FROM backlog_tasks WHERE id=$1",
-                                  uuid.UUID(task["id"]))
+    row = await world.db.fetchrow("SELECT daemon_retries, result FROM backlog_tasks"
+                                  " WHERE id=$1", uuid.UUID(task["id"]))
     assert row["daemon_retries"] == 6
+    # The failed task says why, in words an operator can act on.
+    assert row["result"].startswith("failed: its daemon was lost 6 times (at most 5 "
+                                    "retries); last: "), row["result"]
     transitions = await world.db.fetch(
         "SELECT to_state FROM task_transitions WHERE task_id=$1 AND from_state='in_progress'"
         " ORDER BY id", uuid.UUID(task["id"]))

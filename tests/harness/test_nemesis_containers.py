@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +26,7 @@ pytestmark = pytest.mark.docker
 
 IMAGE = os.environ.get("COVEY_SANDBOX_IMAGE", "covey-gameday:latest")
 LABELS = {"covey.test": "nemesis"}
+ROOT = Path(__file__).resolve().parents[2]  # where `harness` imports from in a child process
 ALIAS = "flag-store"
 # Generous on purpose: a 2-core machine shared with other test runs.
 HEAL_S = 20.0  # how long a heal due now may take to be seen
@@ -308,3 +311,24 @@ async def test_a_container_heal_that_fails_leaves_the_fault_standing_and_says_wh
     # Leaving tried once more, quietly; the record still says it never healed.
     report = nemesis.verify_healed()
     assert not report.healed and [r.id for r in report.unhealed] == [pause.id]
+
+
+async def test_a_container_pause_outlives_a_dead_harness_only_until_its_deadline(
+        sleeper: Container, tmp_path: Path) -> None:
+    # A harness that pauses the container and dies at once: its watchdog heals it.
+    script = ("import asyncio, os, sys\n"
+              "from harness.nemesis import Nemesis\n"
+              "async def main():\n"
+              "    await Nemesis().pause_container(sys.argv[1], float(sys.argv[2]))\n"
+              "    os._exit(0)\n"
+              "asyncio.run(main())\n")
+    harness = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, sleeper.name or "", "3",
+        cwd=ROOT,
+        env={**os.environ, "COVEY_GAMEDAY_STATE": str(tmp_path)})
+    assert await asyncio.wait_for(harness.wait(), 60) == 0
+    assert await status(sleeper) == "paused", "the pause did not hold once the harness died"
+
+    async def running() -> bool:
+        return await status(sleeper) == "running"
+    await eventually(running, 20, "the dead harness's container pause outlived its deadline")

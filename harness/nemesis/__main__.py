@@ -1,0 +1,3 @@
+from harness.nemesis.proxy import main
+
+main()

@@ -1,0 +1,83 @@
+"""Process faults: SIGSTOP until the deadline (a group of processes at once, such as a
+database server and its backends), and SIGKILL."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+from harness.nemesis.faults import FaultKind
+from harness.nemesis.standing import Fault
+from harness.nemesis.watchdog import HealOrder
+
+STOP_WAIT_S = 5.0
+
+
+def process_state(pid: int) -> str | None:
+    """The one-letter state in /proc (T: stopped); None without /proc or without the process.
+    A read of procfs never waits on a disk, so this is fine on the event loop."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+async def _stopped(pid: int, within_s: float) -> bool:
+    """Whether `pid` is seen stopped within `within_s`: a signal takes effect only when the
+    process is next scheduled. Where /proc cannot tell, there is nothing to wait for."""
+    deadline = time.monotonic() + within_s
+    while process_state(pid) not in (None, "T", "t"):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.002)
+    return True
+
+
+class ProcessPause(Fault):
+    """SIGSTOP of `pids` (frozen, their sockets open); SIGCONT on heal. `target` names them in
+    the log ("pid 123", "postgres")."""
+
+    kind: FaultKind = "pause"
+
+    def __init__(self, pids: list[int], target: str | None = None) -> None:
+        self.pids = pids
+        self.key = self.target = target or f"pid {pids[0]}"
+        self.id_prefix = f"pid{pids[0]}" if target is None else target
+
+    async def impose(self) -> str | None:
+        for pid in self.pids:
+            os.kill(pid, signal.SIGSTOP)
+        slow = [pid for pid in self.pids if not await _stopped(pid, STOP_WAIT_S)]
+        return (f"not seen stopped within {STOP_WAIT_S:g} s of the SIGSTOP: {slow}"
+                if slow else None)
+
+    async def lift(self) -> str | None:
+        gone = []
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                gone.append(pid)
+        if gone:
+            return "the process had exited before it was continued"
+        return None
+
+    def heal_order(self) -> HealOrder:
+        return {"do": "signal", "pids": self.pids, "signal": "SIGCONT"}
+
+    def covers(self, standing: Fault) -> bool:
+        return isinstance(standing, ProcessPause) and set(standing.pids) <= set(self.pids)
+
+
+class ProcessKill(Fault):
+    """SIGKILL: over once delivered."""
+
+    kind: FaultKind = "kill"
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.key = self.target = f"pid {pid}"
+        self.id_prefix = f"pid{pid}"

@@ -1,0 +1,93 @@
+"""Game day: the database goes away under a working fleet, paused (every Postgres process
+frozen, sockets open) or restarted (stopped at once, as in a crash, and started again).
+
+While it is gone no lease can be renewed, so every daemon stops within its lease (fail
+closed): the puppet's ledger, outside the system under test, shows no model call after
+that. A fleet kill pulled during the outage either takes effect or answers 503 with a hint,
+never a 200 that did nothing. Afterwards the control plane reconnects by itself, and every
+task is done exactly once after the fleet is resumed.
+
+    pytest scenarios/database_outage.py [--stack containers|processes]
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from harness.client import json_of
+from harness.gameday import GameDay
+from harness.nemesis import FaultRecord
+
+OUTAGE_S = 10.0  # several leases: whoever still runs at its end did not fail closed
+MARGIN_S = 3.0  # the lease's own slack plus a loaded machine's
+
+
+# Not kill_obeyed: the daemons stop by their lease here, before any kill message can reach
+# them (the rule under test), and a kill then finds them already on their way out.
+@pytest.mark.checkers("no_action_after_kill_ack", "in_progress_requeued",
+                      "each_task_done_once_after_resume", "no_wake_of_stopped_agent",
+                      "every_fault_healed")
+@pytest.mark.parametrize("outage", ["pause", "restart"])
+@pytest.mark.decides("in_progress_requeued", "each_task_done_once_after_resume",
+                     "every_fault_healed")
+async def test_database_outage(gameday: GameDay, outage: str,
+                               agents_per_game_day: int) -> None:
+    day, security, nemesis = gameday, gameday.as_("security"), gameday.endpoints.nemesis
+    if nemesis.database is None:
+        pytest.skip(f"the {day.stack} stack's database is not the harness's to fault")
+    async with day.journaled():
+        agents = [await day.agent("silent") for _ in range(min(agents_per_game_day, 3))]
+        for a in agents:
+            await day.task(a["id"])
+        await day.until.all_working(agents)
+
+        fault: FaultRecord = await (nemesis.pause_database if outage == "pause"
+                                    else nemesis.restart_database)(OUTAGE_S)
+        cut_off_ns = fault.started_ns + round((day.lease_s + MARGIN_S) * 1e9)
+        # The switch pulled in the dark: the answer comes when it comes (a paused database
+        # holds the request until it is back).
+        kill = await security.kill_fleet()
+        assert kill.status_code in (200, 503), (
+            f"a fleet kill during a database outage answered {kill.status_code} "
+            f"{kill.text[:200]}: it must take effect (200) or say it could not (503)")
+        if kill.status_code == 503:
+            assert json_of(kill, 503).get("hint"), "the 503 of the kill gives no hint"
+
+        async def healed() -> FaultRecord | None:
+            return next((r for r in nemesis.faults() if r.id == fault.id and r.healed), None)
+        database_back = await day.until.condition(healed, OUTAGE_S + 60,
+                                                  "the database outage never healed")
+
+        async def back() -> bool:
+            return (await day.people["auditor"].http.get("/healthz")).status_code == 200
+        await day.until.condition(back, 60, "the control plane never reconnected to its "
+                                  "database after the outage")
+        # Recovery: from the database back (its heal done) to the control plane healthy.
+        day.measurements["recovery_s"] = max(
+            0.0, (time.time_ns() - (database_back.healed_ns or 0)) / 1e9)
+        day.notes.append(f"the fleet kill during the {outage} answered {kill.status_code}")
+        if kill.status_code == 503:  # refused honestly: now it must work
+            assert (await security.kill_fleet()).status_code == 200, (
+                "the fleet kill failed after the database came back")
+        fleet = json_of(await day.people["auditor"].fleet())
+        assert fleet["fleet_killed"], (
+            "a fleet kill answered 200 during the database outage, yet the fleet is not "
+            "stopped: a 200 that did nothing")
+
+        late = {a["id"]: [e.at_ns for e in await day.endpoints.puppet.actions(a["id"])
+                          if cut_off_ns < e.at_ns < (fault.heals_at_ns or 0)]
+                for a in agents}
+        assert not any(late.values()), (
+            f"agents kept calling their model more than the lease ({day.lease_s} s) + "
+            f"{MARGIN_S} s into the database outage: the lease did not fail closed "
+            f"({ {a: len(t) for a, t in late.items() if t} })")
+        in_progress = [t["id"] for t in (await day.read_tasks()).values()
+                       if t["state"] == "in_progress"]
+        assert not in_progress, f"the fleet stop left tasks in progress: {in_progress}"
+
+        for a in agents:
+            await day.endpoints.puppet.assign(a["id"], "well_behaved")
+        assert (await security.resume_fleet()).status_code == 200, "the fleet resume failed"
+        await day.until.all_tasks_done()
