@@ -4,9 +4,11 @@ entry points say what to install instead of breaking."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +73,19 @@ def test_gameday_without_the_extra_says_what_to_install(
 def test_with_the_extra_pytest_gets_the_game_day_plugin() -> None:
     assert harness.entry.missing() == []
     assert harness.entry.pytest_plugins == ["harness.plugin"]
+
+
+def test_the_harness_reaches_covey_only_from_outside() -> None:
+    """No `import covey` in harness/: it talks to the control plane through HTTP, WebSocket,
+    images and processes, so it tests a deployment exactly as it tests its own stacks."""
+    harness_dir = Path(harness.entry.__file__).parent
+    imports = []
+    for path in sorted(harness_dir.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom)
+                     and node.level == 0 else [])
+            imports += [f"{path.relative_to(harness_dir.parent)}:{node.lineno} {n}"
+                        for n in names if n.split(".")[0] == "covey"]
+    assert len(list(harness_dir.rglob("*.py"))) > 20
+    assert not imports, f"the harness imports the control plane: {imports}"
