@@ -563,22 +563,11 @@ class Orchestrator:
 
     async def _switch(self, conn: Connection, body: Callable[[Connection], Awaitable[T]],
                       scope: str, started: float) -> T:
-        """Run a switch's flag transaction; time its commit. Retried when Postgres breaks a
-        deadlock by failing it: an emergency stop must not fail because a wake held a row."""
-        for attempt in range(1, 6):
-            try:
-                async with conn.transaction():
-                    result = await body(conn)
-            except (asyncpg.DeadlockDetectedError, asyncpg.SerializationError) as exc:
-                if attempt == 5:
-                    raise
-                log.warning("switch transaction retried", scope=scope, attempt=attempt,
-                            error=str(exc))
-                continue
-            metrics.kill_stage_seconds.labels(scope, "flag_committed").observe(
-                time.perf_counter() - started)
-            return result
-        raise AssertionError("unreachable")
+        """Run a switch's flag transaction; time its commit."""
+        result = await _retried(conn, body, scope, "flag")
+        metrics.kill_stage_seconds.labels(scope, "flag_committed").observe(
+            time.perf_counter() - started)
+        return result
 
     async def kill_agent(self, org_id: UUID, agent_id: UUID, actor_id: UUID | None,
                          origin: str = "agent", started: float | None = None,
@@ -716,20 +705,25 @@ class Orchestrator:
             time.perf_counter() - started)
         touched = sorted({*agents, *(s["agent_id"] for s in live)})
         evicted: list[asyncpg.Record] = []
+
+        async def requeue(conn: Connection) -> tuple[list[asyncpg.Record], list[UUID]]:
+            evicted = await conn.fetch(
+                "UPDATE sandboxes SET state='evicted', ended_at=now()"
+                " WHERE agent_id = ANY($1::uuid[]) AND state='parked'"
+                " RETURNING id, agent_id, node",
+                touched,
+            )
+            requeued = await requeue_in_progress(
+                conn, "t.agent_id = ANY($1::uuid[])", [touched], f"{scope} kill-switch")
+            await record_many(conn, touched, {s["agent_id"]: s["id"] for s in live},
+                              "kill", "killed", {"scope": scope, "requeued": len(requeued)})
+            return list(evicted), requeued
+
         if touched:
-            async with conn.transaction():
-                evicted = await conn.fetch(
-                    "UPDATE sandboxes SET state='evicted', ended_at=now()"
-                    " WHERE agent_id = ANY($1::uuid[]) AND state='parked'"
-                    " RETURNING id, agent_id, node",
-                    touched,
-                )
-                report.evicted_sandboxes = [r["id"] for r in evicted]
-                report.tasks_requeued = await requeue_in_progress(
-                    conn, "t.agent_id = ANY($1::uuid[])", [touched], f"{scope} kill-switch")
-                await record_many(conn, touched, {s["agent_id"]: s["id"] for s in live},
-                                  "kill", "killed",
-                                  {"scope": scope, "requeued": len(report.tasks_requeued)})
+            # Retried like the flag's: with the flag committed, a requeue that failed on a
+            # deadlock would leave the work in progress and answer the kill with a 500.
+            evicted, report.tasks_requeued = await _retried(conn, requeue, scope, "requeue")
+            report.evicted_sandboxes = [r["id"] for r in evicted]
         metrics.kill_stage_seconds.labels(scope, "requeued").observe(
             time.perf_counter() - started)
         report.sessions_cancelled = session_ids
@@ -991,6 +985,23 @@ class Orchestrator:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("background step failed", error=repr(task.exception()))
+
+
+async def _retried(conn: Connection, body: Callable[[Connection], Awaitable[T]], scope: str,
+                   step: str) -> T:
+    """Run `body` in a transaction on `conn`, again when Postgres breaks a deadlock (or a
+    serialization conflict) by failing it: an emergency stop must not fail because a wake,
+    a sweep or a daemon's report held a row it needed. Each attempt starts from scratch."""
+    for attempt in range(1, 6):
+        try:
+            async with conn.transaction():
+                return await body(conn)
+        except (asyncpg.DeadlockDetectedError, asyncpg.SerializationError) as exc:
+            if attempt == 5:
+                raise
+            log.warning("switch transaction retried", scope=scope, step=step,
+                        attempt=attempt, error=str(exc))
+    raise AssertionError("unreachable")
 
 
 async def _tool_flag_changed(conn: Connection, action: str, org_id: UUID,

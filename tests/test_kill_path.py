@@ -1,0 +1,167 @@
+"""The kill path's edges: a daemon that vanishes without a closing handshake is lost at once
+(not 15 s later by the stale-session sweep), and the kill's second transaction survives a
+deadlock Postgres breaks by failing it. Real control plane, real Postgres, real WebSockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from typing import Any
+
+import asyncpg
+import pytest
+import websockets
+
+from tests.support.plane import World, eventually
+
+
+async def _sandbox_with_token(world: World) -> tuple[dict[str, Any], str, uuid.UUID]:
+    """A sandbox row with a known token and its session, as a wake writes them, and a task
+    for the agent: the daemon that connects with the token is given it."""
+    from covey.security import new_token, token_hash
+
+    agent = await world.agent()
+    aid = uuid.UUID(agent["id"])
+    token = new_token("cvd")
+    sandbox_id = uuid.uuid4()
+    await world.db.execute(
+        "INSERT INTO sandboxes (id, agent_id, backend, daemon_token_hash, token_expires_at)"
+        " VALUES ($1, $2, 'process', $3, now() + interval '1 minute')",
+        sandbox_id, aid, token_hash(token))
+    await world.db.execute(
+        "INSERT INTO sessions (id, agent_id, sandbox_id, node) VALUES ($1, $2, $3, 'test')",
+        uuid.uuid4(), aid, sandbox_id)
+    task_id = uuid.uuid4()
+    await world.db.execute(
+        "INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin)"
+        " VALUES ($1, $2, $3, 't', 'hold', 'api')", task_id, world.org.id, aid)
+    return {"agent_id": agent["id"], "sandbox_id": str(sandbox_id)}, token, task_id
+
+
+async def _session(world: World, sandbox_id: str) -> asyncpg.Record:
+    row: asyncpg.Record = await world.db.fetchrow(
+        "SELECT id, state, stop_reason FROM sessions WHERE sandbox_id=$1",
+        uuid.UUID(sandbox_id))
+    return row
+
+
+@pytest.mark.parametrize("then_sent_to", [False, True],
+                         ids=["silent", "sent-to-after-vanishing"])
+async def test_a_daemon_that_vanishes_without_a_close_is_lost_at_once(
+        world: World, caplog: pytest.LogCaptureFixture, then_sent_to: bool) -> None:
+    """A daemon whose channel is gone without a closing handshake (a crashed sandbox, a
+    reset connection) is lost as soon as the control plane sees the connection end: its task
+    goes back to the backlog, well inside the 15 s after which the sweep would find it, and
+    no handler fails with an unhandled error. Also when the control plane still sends to it
+    (a lease renewal) before it has read the end of the connection."""
+    ids, token, task_id = await _sandbox_with_token(world)
+    headers = {"Authorization": f"Bearer {token}"}
+    caplog.set_level(logging.ERROR)
+    ws = await websockets.connect(world.plane.ws_url, additional_headers=headers)
+    await ws.send(json.dumps({"type": "ready", "payload": ids}))
+    while (m := json.loads(await ws.recv()))["type"] != "assign_task":
+        pass
+    assert m["payload"]["task_id"] == str(task_id)
+    session = await _session(world, ids["sandbox_id"])
+    assert session["state"] == "running", session
+    ws.transport.abort()  # gone: no close frame, a reset connection
+    if then_sent_to:
+        # In the same turn of the loop, before the plane has read the end of the connection.
+        await world.plane.orch.renew_leases([session["id"]])
+        await world.plane.orch.hub.send(session["id"], "lease", {"ttl_ms": 2000})
+
+    async def lost() -> bool:
+        return bool((await _session(world, ids["sandbox_id"]))["state"] == "lost")
+    await eventually(lost, 5, "the session of a daemon that vanished is still live: "
+                     "it was left to the stale-session sweep")
+    reason = (await _session(world, ids["sandbox_id"]))["stop_reason"]
+    assert reason == "control channel closed", reason
+    requeued = await world.db.fetchval(
+        "SELECT count(*) FROM task_transitions WHERE task_id=$1 AND from_state='in_progress'"
+        " AND to_state='open' AND note LIKE 'daemon lost%'", task_id)
+    assert requeued == 1, "the task of the vanished daemon was not requeued"
+    assert world.plane.orch.hub.get(session["id"]) is None, "the daemon is still attached"
+    failures = [r for r in caplog.records if "Exception in ASGI application" in r.getMessage()
+                or r.exc_info is not None]
+    assert failures == [], [r.getMessage() for r in failures]
+
+
+async def test_the_kills_requeue_survives_a_deadlock(world: World) -> None:
+    """The kill's second transaction (evict the parked sandbox, requeue the work) once had
+    no retry: a deadlock that Postgres broke by failing it made the kill a 500 after the
+    flag had committed, the work left in progress. Provoked here for real: another
+    transaction holds the agent's in-progress task, the kill's requeue waits for it while
+    holding the parked sandbox it evicted, and then the other transaction wants that
+    sandbox."""
+    agent = await world.agent()
+    aid = uuid.UUID(agent["id"])
+    parked, task_id = uuid.uuid4(), uuid.uuid4()
+    await world.db.execute(
+        "INSERT INTO sandboxes (id, agent_id, backend, state, node, parked_at)"
+        " VALUES ($1, $2, 'process', 'parked', 'elsewhere', now())", parked, aid)
+    await world.db.execute(
+        "INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin, state)"
+        " VALUES ($1, $2, $3, 't', 'hold', 'api', 'in_progress')", task_id, world.org.id, aid)
+
+    other = await asyncpg.connect(world.plane.database_url)
+    try:
+        held = other.transaction()
+        await held.start()
+        await other.execute("SELECT 1 FROM backlog_tasks WHERE id=$1 FOR UPDATE", task_id)
+        kill = asyncio.create_task(world.security.post(f"/api/v1/agents/{agent['id']}/kill"))
+
+        async def requeue_waits() -> bool:
+            # The kill's transaction holds the evicted sandbox and waits for the task.
+            waiting = await world.db.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type='Lock'"
+                " AND query LIKE '%backlog_tasks%' AND pid <> pg_backend_pid()")
+            return bool(waiting)
+        await eventually(requeue_waits, 10, "the kill's requeue never waited for the task")
+        # Now the cycle: this waits for the sandbox the kill holds; Postgres fails one of
+        # the two after deadlock_timeout (1 s) — the kill's, which waited first.
+        closing = asyncio.create_task(other.execute(
+            "UPDATE sandboxes SET last_sync_at=now() WHERE id=$1", parked))
+        try:
+            await asyncio.wait_for(closing, 15)
+        except asyncpg.DeadlockDetectedError:
+            pass  # this side was the victim: the kill went on regardless
+        await held.rollback()
+        r = await asyncio.wait_for(kill, 15)
+    finally:
+        await other.close()
+    assert r.status_code == 200, f"the kill failed on a deadlock: {r.status_code} {r.text}"
+    assert r.json()["tasks_requeued"] == [str(task_id)], r.text
+    assert await world.task_state(str(task_id)) == "open"
+    assert await world.db.fetchval("SELECT state FROM sandboxes WHERE id=$1", parked) \
+        == "evicted"
+
+
+async def test_reading_a_channel_that_is_gone_says_disconnect() -> None:
+    """A unit of the daemon handler: once a channel is gone, every further read is a
+    WebSocketDisconnect (what the handler treats as a lost daemon), never Starlette's
+    WebSocketDisconnected RuntimeError, which the handler's loss path did not catch."""
+    from starlette.websockets import WebSocket, WebSocketDisconnect
+
+    from covey.api.daemon import _receive_text
+
+    frames: list[dict[str, Any]] = [
+        {"type": "websocket.connect"},
+        {"type": "websocket.receive", "text": '{"type": "heartbeat"}'},
+        {"type": "websocket.disconnect", "code": 1006},
+    ]
+
+    async def receive() -> dict[str, Any]:
+        return frames.pop(0)
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    ws = WebSocket({"type": "websocket", "path": "/api/daemon/ws", "headers": []},
+                   receive, send)
+    await ws.accept()
+    assert await _receive_text(ws) == '{"type": "heartbeat"}'
+    for _ in range(2):  # the end itself, then a read after it
+        with pytest.raises(WebSocketDisconnect):
+            await _receive_text(ws)
