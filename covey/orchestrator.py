@@ -29,7 +29,7 @@ import structlog
 
 from covey import metrics
 from covey.config import Settings
-from covey.db import Connection, Pool, fetch_one, transaction
+from covey.db import BatchedWrite, Connection, Pool, fetch_one, transaction
 from covey.hub import DaemonHub
 from covey.sandbox import Runner
 from covey.security import new_token, token_hash
@@ -226,6 +226,18 @@ class Orchestrator:
         self.ws_url = ws_url
         self.runner: Runner | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        # A fleet kill's daemons confirm all at once: their words go to their sessions a
+        # batch per statement, not a pool round trip (and a connection reset) each.
+        self.record_kill_confirmation = BatchedWrite(
+            pool, "UPDATE sessions s SET kill_sent_at=x.sent, kill_confirmed_at=x.confirmed,"
+                  " kill_confirmed_by=x.how"
+                  " FROM unnest($1::uuid[], $2::timestamptz[], $3::timestamptz[], $4::text[])"
+                  " AS x(id, sent, confirmed, how)"
+                  " WHERE s.id=x.id AND s.kill_confirmed_by IS NULL")
+        self.record_daemon_stop = BatchedWrite(
+            pool, "UPDATE sessions s SET daemon_stop=x.stop, daemon_stop_detail=x.detail"
+                  " FROM unnest($1::uuid[], $2::text[], $3::text[]) AS x(id, stop, detail)"
+                  " WHERE s.id=x.id AND s.daemon_stop IS NULL")
 
     # ---------------------------------------------------------------- waking
 
@@ -746,8 +758,11 @@ class Orchestrator:
         report.kill_acknowledged = self.hub.acknowledged(report.kill_confirmed)
 
     async def deliver_kills(self, session_ids: list[UUID]) -> None:
-        """A kill announced by another replica (or by ourselves: sent at most once)."""
-        await asyncio.gather(*(self.hub.send_kill(s) for s in session_ids))
+        """A kill announced by another replica (or by ourselves: sent at most once). The
+        kill's own announcement comes back here too, for every session it already sent
+        to: those cost nothing now."""
+        await asyncio.gather(*(self.hub.send_kill(s)
+                               for s in self.hub.not_yet_killed(session_ids)))
 
     async def resume_agent(self, org_id: UUID, agent_id: UUID, actor_id: UUID | None,
                            reason: str | None = None) -> ResumeReport | None:

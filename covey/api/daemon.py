@@ -300,20 +300,20 @@ async def save_daemon_stop(orch: Orchestrator, link: DaemonLink, payload: dict[s
     if stop not in DAEMON_STOPS:
         raise ProtocolError("stopping needs stop", f"stop: one of {', '.join(DAEMON_STOPS)}")
     link.last_word = str(stop)
+    if link.stop_saved:  # the first word wins (the statement also keeps a stored one)
+        return
+    link.stop_saved = True
     detail = payload.get("detail")
-    await orch.pool.execute(
-        "UPDATE sessions SET daemon_stop=$2, daemon_stop_detail=$3"
-        " WHERE id=$1 AND daemon_stop IS NULL",
+    await orch.record_daemon_stop.write(
         link.session_id, stop, None if detail is None else str(detail)[:300])
 
 
 async def save_kill_confirmation(orch: Orchestrator, link: DaemonLink) -> None:
     """How the kill sent to this daemon was confirmed, on its session; once."""
-    if link.kill_sent_ns is None or link.kill_confirmed_ns is None:
+    if link.kill_sent_ns is None or link.kill_confirmed_ns is None or link.confirmation_saved:
         return
-    await orch.pool.execute(
-        "UPDATE sessions SET kill_sent_at=$2, kill_confirmed_at=$3, kill_confirmed_by=$4"
-        " WHERE id=$1 AND kill_confirmed_by IS NULL",
+    link.confirmation_saved = True
+    await orch.record_kill_confirmation.write(
         link.session_id, _at(link.kill_sent_ns), _at(link.kill_confirmed_ns),
         link.kill_confirmed_by)
 
