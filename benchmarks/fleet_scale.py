@@ -119,7 +119,7 @@ async def start_fleet(plane: ServedPlane, db: asyncpg.Pool, org: BenchOrg, size:
     agents: list[uuid.UUID] = []
     tasks: list[uuid.UUID] = []
     headers = {"Authorization": f"Bearer {org.tokens['org_admin']}"}
-    async with httpx.AsyncClient(base_url=plane.url, headers=headers, timeout=60) as admin:
+    async with httpx.AsyncClient(base_url=plane.url, headers=headers, timeout=timeout) as admin:
 
         async def one() -> tuple[uuid.UUID, uuid.UUID]:
             r = await admin.post("/api/v1/agents", json={
