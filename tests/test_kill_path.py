@@ -8,13 +8,16 @@ import asyncio
 import json
 import logging
 import uuid
+from collections.abc import MutableMapping
+from pathlib import Path
 from typing import Any
 
 import asyncpg
 import pytest
 import websockets
 
-from tests.support.plane import World, eventually
+from harness.waiting import eventually
+from tests.support.plane import World
 
 
 async def _sandbox_with_token(world: World) -> tuple[dict[str, Any], str, uuid.UUID]:
@@ -41,9 +44,10 @@ async def _sandbox_with_token(world: World) -> tuple[dict[str, Any], str, uuid.U
 
 
 async def _session(world: World, sandbox_id: str) -> asyncpg.Record:
-    row: asyncpg.Record = await world.db.fetchrow(
+    row = await world.db.fetchrow(
         "SELECT id, state, stop_reason FROM sessions WHERE sandbox_id=$1",
         uuid.UUID(sandbox_id))
+    assert row is not None, f"no session for sandbox {sandbox_id}"
     return row
 
 
@@ -152,10 +156,10 @@ async def test_reading_a_channel_that_is_gone_says_disconnect() -> None:
         {"type": "websocket.disconnect", "code": 1006},
     ]
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> MutableMapping[str, Any]:
         return frames.pop(0)
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         pass
 
     ws = WebSocket({"type": "websocket", "path": "/api/daemon/ws", "headers": []},
@@ -165,3 +169,34 @@ async def test_reading_a_channel_that_is_gone_says_disconnect() -> None:
     for _ in range(2):  # the end itself, then a read after it
         with pytest.raises(WebSocketDisconnect):
             await _receive_text(ws)
+
+
+async def test_sandboxes_that_do_not_exit_within_the_grace_are_destroyed(
+        database_url: str, tmp_path: Path) -> None:
+    """The runner gives a daemon told to stop its grace period to exit on its own, then
+    destroys its sandbox: one timer for the whole fleet kill. Deaf daemons (they ignore
+    `kill`) under a 20 s lease would live on for up to 20 s; with a 0.5 s grace their
+    sandboxes are gone long before, killed (-9), not exited 3."""
+    from tests.conftest import SCRIPTED_DAEMON
+    from tests.support.plane import make_world, start_plane
+
+    async with start_plane(database_url, tmp_path / "replica", SCRIPTED_DAEMON,
+                           lease_ms=20_000, kill_grace_s=0.5) as plane, \
+            make_world(plane) as world:
+        agents = [await world.agent() for _ in range(3)]
+        tasks = [await world.task(a["id"], "deaf") for a in agents]
+        for task in tasks:
+            await world.wait_task(task["id"], "in_progress")
+        r = await world.security.post("/api/v1/fleet/kill")
+        assert r.status_code == 200, r.text
+        assert sorted(r.json()["tasks_requeued"]) == sorted(t["id"] for t in tasks), r.text
+        ids = [uuid.UUID(a["id"]) for a in agents]
+
+        async def destroyed() -> list[int] | None:
+            rows = await world.db.fetch(
+                "SELECT exit_code FROM sandboxes WHERE agent_id = ANY($1::uuid[])"
+                " AND state='gone'", ids)
+            return [r["exit_code"] for r in rows] if len(rows) == len(ids) else None
+        codes = await eventually(destroyed, 10, "sandboxes whose daemons ignored the kill "
+                                 "were not destroyed after the grace period")
+        assert codes == [-9] * len(ids), f"expected every sandbox killed (-9): {codes}"
