@@ -200,3 +200,39 @@ async def test_sandboxes_that_do_not_exit_within_the_grace_are_destroyed(
         codes = await eventually(destroyed, 10, "sandboxes whose daemons ignored the kill "
                                  "were not destroyed after the grace period")
         assert codes == [-9] * len(ids), f"expected every sandbox killed (-9): {codes}"
+
+
+async def test_the_kills_wait_returns_who_confirmed_within_its_bound() -> None:
+    """A unit of the hub: a kill waits for its daemons' confirmations at most its bound,
+    and answers with those that confirmed (by `kill_ack` or hang-up), in the order asked;
+    a daemon that never answers ends the wait only when the bound does."""
+    from covey.hub import DaemonHub, DaemonLink
+
+    sent: list[str] = []
+
+    class Sink:
+        async def send_text(self, data: str) -> None:
+            sent.append(data)
+
+    hub = DaemonHub()
+    links = [DaemonLink(uuid.uuid4(), uuid.uuid4(), Sink()) for _ in range(3)]
+    for link in links:
+        hub.attach(link)
+        assert await hub.send_kill(link.session_id)
+    acked, silent, hung_up = links
+    hub.acknowledge_kill(acked.session_id)  # before the wait starts
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.05, hub.detach, hung_up.session_id)  # during the wait
+    started = loop.time()
+    confirmed = await hub.wait_stopped([s.session_id for s in links], 0.5)
+    waited = loop.time() - started
+    assert confirmed == [acked.session_id, hung_up.session_id], confirmed
+    assert 0.45 <= waited < 5, f"the wait took {waited:.2f} s, bounded at 0.5 s"
+    assert hub.acknowledged(confirmed) == [acked.session_id]
+    assert silent.waits == [], "the finished wait is still registered on a daemon"
+    # Every daemon confirmed: the wait ends at once, not at its bound.
+    hub.acknowledge_kill(silent.session_id)
+    started = loop.time()
+    assert len(await hub.wait_stopped([s.session_id for s in links], 30)) == 3
+    assert loop.time() - started < 5
+    assert len(sent) == 3
