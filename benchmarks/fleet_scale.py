@@ -41,6 +41,7 @@ import asyncpg
 import httpx
 
 from benchmarks.stack import (
+    REPO,
     BenchmarkError,
     BenchOrg,
     RawHttp,
@@ -68,6 +69,7 @@ DAEMON_MIB = 15
 
 @dataclass
 class FleetKill:
+    code: str  # "after" (this checkout) or "before" (--baseline)
     sandboxes: int
     round: int
     loadavg: str
@@ -77,6 +79,7 @@ class FleetKill:
     to_answer_ms: float
     to_all_exited_ms: float
     sessions_confirmed: int
+    sessions_acknowledged: int  # by the daemon's kill_ack (the rest: by its hang-up)
     tasks_requeued: int
     plane_cpu_during_answer_ms: float
     host_cpu_during_answer_ms: float  # every process on the host, the daemons' exits included
@@ -94,7 +97,7 @@ class Report:
     machine: dict[str, Any]
     settings: dict[str, Any]
     kills: list[FleetKill] = field(default_factory=list)
-    answer_median_ms: dict[str, float] = field(default_factory=dict)
+    answer_median_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # code, size
     growth: dict[str, float] = field(default_factory=dict)
 
 
@@ -116,7 +119,7 @@ async def start_fleet(plane: ServedPlane, db: asyncpg.Pool, org: BenchOrg, size:
     agents: list[uuid.UUID] = []
     tasks: list[uuid.UUID] = []
     headers = {"Authorization": f"Bearer {org.tokens['org_admin']}"}
-    async with httpx.AsyncClient(base_url=plane.url, headers=headers, timeout=60) as admin:
+    async with httpx.AsyncClient(base_url=plane.url, headers=headers, timeout=timeout) as admin:
 
         async def one() -> tuple[uuid.UUID, uuid.UUID]:
             r = await admin.post("/api/v1/agents", json={
@@ -201,7 +204,7 @@ async def rss_peak(plane: ServedPlane) -> Any:
 
 
 async def kill_fleet(plane: ServedPlane, db: asyncpg.Pool, fleet: Fleet, number: int,
-                     rss_idle_kib: int, timeout: float) -> FleetKill:
+                     rss_idle_kib: int, timeout: float, code: str = "after") -> FleetKill:
     size = len(fleet.agent_ids)
     sandboxes = {r["id"]: r["agent_id"] for r in await db.fetch(
         "SELECT id, agent_id FROM sandboxes WHERE agent_id = ANY($1::uuid[])"
@@ -233,11 +236,13 @@ async def kill_fleet(plane: ServedPlane, db: asyncpg.Pool, fleet: Fleet, number:
         after = await kill_stage_totals(anonymous)
     received = sorted(ms(t - requested) for t in kill_stamps(plane, fleet, sandboxes))
     return FleetKill(
-        sandboxes=size, round=number, loadavg=loadavg,
+        code=code, sandboxes=size, round=number, loadavg=loadavg,
         to_first_daemon_ms=received[0], to_median_daemon_ms=percentile(received, 50),
         to_last_daemon_ms=received[-1], to_answer_ms=ms(answered - requested),
         to_all_exited_ms=ms(exited - requested),
-        sessions_confirmed=listed["sessions_confirmed"], tasks_requeued=listed["tasks_requeued"],
+        sessions_confirmed=listed["sessions_confirmed"],
+        sessions_acknowledged=len(answer.get("sessions_acknowledged", [])),
+        tasks_requeued=listed["tasks_requeued"],
         plane_cpu_during_answer_ms=(cpu_after - cpu_before) * 1000,
         host_cpu_during_answer_ms=(host_after - host_before) * 1000,
         plane_rss_idle_mib=rss_idle_kib / 1024, plane_rss_connected_mib=rss_connected / 1024,
@@ -267,61 +272,75 @@ async def run(options: argparse.Namespace, command: str) -> Report:
                     machine=machine(), settings={
                         "sizes": options.sizes, "rounds": options.rounds,
                         "batch": options.batch, "lease_ms": options.lease_ms,
-                        "tick_ms": options.tick_ms})
+                        "tick_ms": options.tick_ms,
+                        "baseline": str(options.baseline) if options.baseline else None})
     env = {"COVEY_TICK_MS": str(options.tick_ms), "COVEY_LEASE_MS": str(options.lease_ms),
            "COVEY_LOG_LEVEL": options.log_level,
            # A thousand interpreters starting on two cores may take longer than a minute.
            "COVEY_DAEMON_TOKEN_TTL_S": "600"}
-    with tempfile.TemporaryDirectory(prefix="covey-bench-scale-") as data_dir:
-        async with (
-            postgres_server(options.database_url) as server_url,
-            bench_database(server_url) as database_url,
-            served_plane(database_url, Path(data_dir), DAEMON, env) as plane,
-        ):
+    codes: list[tuple[str, Path]] = [("after", REPO)]
+    if options.baseline:
+        codes.insert(0, ("before", options.baseline))
+    async with contextlib.AsyncExitStack() as stack:
+        server_url = await stack.enter_async_context(postgres_server(options.database_url))
+        planes: dict[str, tuple[ServedPlane, asyncpg.Pool]] = {}
+        for code, repo in codes:  # both planes up for the whole run; one fleet at a time
+            data_dir = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix=f"covey-bench-scale-{code}-"))
+            database_url = await stack.enter_async_context(bench_database(server_url))
+            plane = await stack.enter_async_context(
+                served_plane(database_url, Path(data_dir), DAEMON, env, repo=repo))
             db = await asyncpg.create_pool(database_url, min_size=1, max_size=4)
             assert db is not None
-            try:
-                report.machine["postgres"] = await db.fetchval("SHOW server_version")
-                for size in options.sizes:
-                    need = size * DAEMON_MIB + 1024
-                    if memory_available_mib() < need:
-                        raise BenchmarkError(f"{size} sandboxes need about {need} MiB; only "
-                                             f"{memory_available_mib()} MiB available")
-                    org = await create_org(db, f"fleet{size}-{uuid.uuid4().hex[:6]}")
-                    rss_idle = plane.rss_kib()
-                    fleet = await start_fleet(plane, db, org, size, options.batch,
-                                              options.timeout)
-                    for number in range(1, options.rounds + 1):
-                        if number > 1:
-                            await resume_fleet(plane, db, fleet, options.timeout)
-                        kill = await kill_fleet(plane, db, fleet, number, rss_idle,
-                                                options.timeout)
-                        report.kills.append(kill)
-                        print(render_kill(kill), flush=True)
-            finally:
-                await db.close()
+            stack.push_async_callback(db.close)
+            planes[code] = (plane, db)
+        report.machine["postgres"] = await planes["after"][1].fetchval("SHOW server_version")
+        for i, size in enumerate(options.sizes):
+            # Alternate which code goes first, so that a drift of the host's load does not
+            # always favour the same one.
+            for code, _ in (codes if i % 2 == 0 else codes[::-1]):
+                plane, db = planes[code]
+                need = size * DAEMON_MIB + 1024
+                if memory_available_mib() < need:
+                    raise BenchmarkError(f"{size} sandboxes need about {need} MiB; only "
+                                         f"{memory_available_mib()} MiB available")
+                org = await create_org(db, f"fleet{size}-{uuid.uuid4().hex[:6]}")
+                rss_idle = plane.rss_kib()
+                fleet = await start_fleet(plane, db, org, size, options.batch,
+                                          options.timeout)
+                for number in range(1, options.rounds + 1):
+                    if number > 1:
+                        await resume_fleet(plane, db, fleet, options.timeout)
+                    kill = await kill_fleet(plane, db, fleet, number, rss_idle,
+                                            options.timeout, code)
+                    report.kills.append(kill)
+                    print(render_kill(kill), flush=True)
     report.machine["loadavg_at_end"] = load_average()
-    for size in options.sizes:
-        answers = [k.to_answer_ms for k in report.kills if k.sandboxes == size]
-        report.answer_median_ms[str(size)] = percentile(answers, 50)
     smallest, largest = str(min(options.sizes)), str(max(options.sizes))
-    report.growth = {f"answer_{largest}_over_{smallest}":
-                     report.answer_median_ms[largest] / report.answer_median_ms[smallest]}
+    for code, _ in codes:
+        medians = report.answer_median_ms[code] = {}
+        for size in options.sizes:
+            answers = [k.to_answer_ms for k in report.kills
+                       if k.sandboxes == size and k.code == code]
+            medians[str(size)] = percentile(answers, 50)
+        report.growth[f"{code}: answer_{largest}_over_{smallest}"] = \
+            medians[largest] / medians[smallest]
     return report
 
 
 def render_kill(k: FleetKill) -> str:
     stages = ", ".join(f"{s} {v:.0f}" for s, v in k.server_stages_ms.items())
-    return (f"{k.sandboxes:>6} {k.round:>3} {k.to_first_daemon_ms:>8.1f}"
+    return (f"{k.code:>6} {k.sandboxes:>6} {k.round:>3} {k.to_first_daemon_ms:>8.1f}"
             f"{k.to_median_daemon_ms:>9.1f}{k.to_last_daemon_ms:>9.1f}{k.to_answer_ms:>9.1f}"
             f"{k.to_all_exited_ms:>10.0f}{k.plane_cpu_during_answer_ms:>8.0f}"
             f"{k.host_cpu_during_answer_ms:>8.0f}"
             f"{k.plane_rss_idle_mib:>7.0f}{k.plane_rss_connected_mib:>7.0f}"
-            f"{k.plane_rss_peak_mib:>7.0f}  load {k.loadavg}; stages {stages};"
+            f"{k.plane_rss_peak_mib:>7.0f}  acked {k.sessions_acknowledged};"
+            f" load {k.loadavg}; stages {stages};"
             f" exit codes {k.exit_codes}")
 
 
-HEADER = ("  size rnd   first   median     last   answer  all-gone  cpu-ms    host   rss:"
+HEADER = ("  code   size rnd   first   median     last   answer  all-gone  cpu-ms    host   rss:"
           "  idle   conn   peak (ms, MiB)")
 
 
@@ -329,8 +348,9 @@ def render(report: Report) -> str:
     lines = [f"fleet kill at scale, {report.started_at}, {report.machine}", "", HEADER]
     lines += [render_kill(k) for k in report.kills]
     lines.append("")
-    lines.append("answer, median ms: " + ", ".join(
-        f"{size}: {v:.1f}" for size, v in report.answer_median_ms.items()))
+    for code, medians in report.answer_median_ms.items():
+        lines.append(f"{code}: answer, median ms: " + ", ".join(
+            f"{size}: {v:.1f}" for size, v in medians.items()))
     lines += [f"{name}: {value:.2f}" for name, value in report.growth.items()]
     return "\n".join(lines)
 
@@ -351,6 +371,9 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600, help="bound of each wait, s (600)")
     p.add_argument("--max-seconds", type=float, default=5400, help="bound of the run, s (5400)")
     p.add_argument("--log-level", default="WARNING", help="control plane log level (WARNING)")
+    p.add_argument("--baseline", type=Path,
+                   help="a checkout of the code to compare with (e.g. `git archive main` "
+                        "unpacked): its plane runs beside this one's, each size on both")
     p.add_argument("--json", type=Path, help="write every figure here")
     options = p.parse_args(argv)
     if not options.sizes or min(options.sizes) < 1 or options.rounds < 1 or options.batch < 1:

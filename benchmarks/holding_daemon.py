@@ -1,8 +1,8 @@
 """The benchmarks' sandbox daemon: speaks the real protocol over a real WebSocket, started
 by the real `process` sandbox backend, holds the task it is given until it is killed, and on
-`kill` hangs up and exits 3 at once, without the interpreter's teardown, as covey/coveyd.py
-does (and as tests/support/scripted_daemon.py does with SCRIPTED_DAEMON_PLAIN_KILL=1;
-benchmarks do not import tests/).
+`kill` confirms it (`kill_ack`), hangs up and exits 3 at once, without the interpreter's
+teardown, as covey/coveyd.py does (and tests/support/scripted_daemon.py with
+SCRIPTED_DAEMON_PLAIN_KILL=1; benchmarks do not import tests/).
 
 It writes down one thing: the wall-clock ns at which it read its `kill`, in
 $HOME/kill_received (the sandbox's work folder, kept by the runner as evidence), so that the
@@ -37,8 +37,12 @@ async def main() -> int:
             kind = json.loads(raw)["type"]
             if kind == "kill":
                 note_kill(time.time_ns())
-                ws.transport.abort()  # as coveyd does: no closing handshake,
-                os._exit(EXIT_KILLED)  # no interpreter teardown
+                # As coveyd does: the kill_ack is its last word, then no closing handshake
+                # and no interpreter teardown.
+                await ws.send(json.dumps({"type": "kill_ack", "payload": {
+                    "stop": "kill", "exit_code": EXIT_KILLED, "detail": "reason kill-switch"}}))
+                ws.transport.abort()
+                os._exit(EXIT_KILLED)
             if kind == "sleep":
                 return 0
     return 1

@@ -164,9 +164,11 @@ def _log_file(path: Path) -> Any:
 
 @contextlib.asynccontextmanager
 async def served_plane(database_url: str, data_dir: Path, daemon_command: list[str],
-                       env: dict[str, str], timeout: float = 60) -> AsyncIterator[ServedPlane]:
-    """Start `python -m covey serve` (the `covey` importable here) on a free loopback port
-    with `env` on top of COVEY_* settings; its log goes to data_dir/plane.log."""
+                       env: dict[str, str], timeout: float = 60, repo: Path = REPO
+                       ) -> AsyncIterator[ServedPlane]:
+    """Start `python -m covey serve` (the `covey` of `repo`, this checkout by default; a
+    baseline's export to compare with) on a free loopback port with `env` on top of COVEY_*
+    settings; its log goes to data_dir/plane.log."""
     port = free_port()
     full_env = {**os.environ, "DATABASE_URL": database_url, "COVEY_DATA_DIR": str(data_dir),
                 "COVEY_DAEMON_COMMAND": shlex.join(daemon_command),
@@ -175,7 +177,7 @@ async def served_plane(database_url: str, data_dir: Path, daemon_command: list[s
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "covey", "serve", "--port", str(port),
             env=full_env, stdin=asyncio.subprocess.DEVNULL, stdout=log,
-            stderr=asyncio.subprocess.STDOUT, cwd=REPO)
+            stderr=asyncio.subprocess.STDOUT, cwd=repo)
     url = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(base_url=url, timeout=5) as client:

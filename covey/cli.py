@@ -103,6 +103,10 @@ def main(argv: list[str] | None = None) -> None:
         # log_config=None: uvicorn's loggers write through ours, which redact tokens.
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", log_config=None,
                     ws="websockets-sansio", ws_ping_interval=5, ws_ping_timeout=5,
+                    # The daemon channel's frames are small JSON: compressing each one cost
+                    # both ends CPU (and each connection a zlib state) for a few bytes, and
+                    # a fleet kill sends a thousand of them at once.
+                    ws_per_message_deflate=False,
                     # Longer than a client's idle gaps: fewer kept-alive connections closed
                     # just as the client reuses them.
                     timeout_keep_alive=30)

@@ -23,8 +23,10 @@ class DaemonLink:
     agent_id: UUID
     sink: MessageSink
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # Set when the daemon confirms a kill (`kill_ack`) or its connection is gone.
-    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    # True once the daemon confirmed a kill (`kill_ack`) or its connection is gone; the
+    # kill waits that are still counting on it are told then.
+    stopped: bool = False
+    waits: list[_StopWait] = field(default_factory=list)
     # The kill sent here and how it was confirmed (wall clock, this replica's): by the
     # daemon's `kill_ack`, or only by its hang-up, after its lease ran out (its last word
     # said so) or without a word. Only an ack is obedience; a hang-up also ends the wait.
@@ -32,13 +34,44 @@ class DaemonLink:
     kill_confirmed_ns: int | None = None
     kill_confirmed_by: str | None = None  # kill_ack | lease | hang_up
     last_word: str | None = None  # the daemon's `stopping` reason, when it said one
+    # Written to the session already (each once per connection: a fleet kill's thousand
+    # confirmations are batched, and a second write of the same would only cost a trip).
+    confirmation_saved: bool = False
+    stop_saved: bool = False
 
     def confirm_kill(self, by: str) -> None:
         if self.kill_sent_ns is not None and self.kill_confirmed_by is None:
             self.kill_confirmed_ns, self.kill_confirmed_by = time.time_ns(), by
             metrics.kill_confirmations.labels(by).observe(
                 (self.kill_confirmed_ns - self.kill_sent_ns) / 1e9)
-        self.stopped.set()
+        if not self.stopped:
+            self.stopped = True
+            waits, self.waits = self.waits, []
+            for wait in waits:
+                wait.stopped(self.session_id)
+
+
+class _StopWait:
+    """One kill's wait for its daemons: a countdown, not a task per daemon (a fleet kill of
+    a thousand once made a thousand tasks just to learn when the last one answered)."""
+
+    def __init__(self, links: list[DaemonLink]) -> None:
+        self.confirmed: list[UUID] = []
+        self._pending = len(links)
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        for link in links:
+            if link.stopped:
+                self.stopped(link.session_id)
+            else:
+                link.waits.append(self)
+        if not self._pending and not self.done.done():
+            self.done.set_result(None)
+
+    def stopped(self, session_id: UUID) -> None:
+        self.confirmed.append(session_id)
+        self._pending -= 1
+        if not self._pending and not self.done.done():
+            self.done.set_result(None)
 
 
 class DaemonHub:
@@ -85,12 +118,21 @@ class DaemonHub:
         confirmed it or hung up; returns those that did. A daemon that cannot answer (its
         channel cut) is stopped by its lease instead, which is why the wait is bounded."""
         links = [link for s in session_ids if (link := self._killed.get(s)) is not None]
-        waits = {link.session_id: asyncio.ensure_future(link.stopped.wait()) for link in links}
-        if waits:
-            _, pending = await asyncio.wait(waits.values(), timeout=timeout_s)
-            for task in pending:
-                task.cancel()
-        return [s for s, task in waits.items() if task.done() and not task.cancelled()]
+        wait = _StopWait(links)
+        try:
+            await asyncio.wait_for(wait.done, timeout_s)
+        except TimeoutError:
+            pass
+        finally:
+            for link in links:
+                if wait in link.waits:
+                    link.waits.remove(wait)
+        confirmed = set(wait.confirmed)
+        return [link.session_id for link in links if link.session_id in confirmed]
+
+    def not_yet_killed(self, session_ids: list[UUID]) -> list[UUID]:
+        """Of these sessions, those connected here that were not sent `kill` yet."""
+        return [s for s in session_ids if s not in self._killed and s in self._links]
 
     def kill_sent(self, session_id: UUID) -> bool:
         """This replica sent `kill` to the session. Every such session was over in Postgres

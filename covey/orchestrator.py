@@ -29,7 +29,7 @@ import structlog
 
 from covey import metrics
 from covey.config import Settings
-from covey.db import Connection, Pool, fetch_one, transaction
+from covey.db import BatchedWrite, Connection, Pool, fetch_one, transaction
 from covey.hub import DaemonHub, DaemonLink
 from covey.sandbox import Runner
 from covey.security import new_token, token_hash
@@ -128,11 +128,20 @@ async def emit_status(conn: Connection, org_id: UUID, agent_id: UUID, status: st
 
 async def emit_statuses(conn: Connection, org_id: UUID, agent_ids: list[UUID], status: str
                         ) -> None:
-    """One NOTIFY per hundred agents (a payload holds at most 8000 bytes)."""
-    for i in range(0, len(agent_ids), 100):
-        payload = json.dumps({"org_id": str(org_id), "status": status,
-                              "agents": [str(a) for a in agent_ids[i:i + 100]]})
-        await conn.execute("SELECT pg_notify('covey_events', $1)", payload)
+    """One NOTIFY per hundred agents (a payload holds at most 8000 bytes), all in one
+    statement: a fleet kill of a thousand once made ten round trips of its flag's
+    transaction out of them."""
+    payloads = [json.dumps({"org_id": str(org_id), "status": status,
+                            "agents": [str(a) for a in agent_ids[i:i + 100]]})
+                for i in range(0, len(agent_ids), 100)]
+    await notify_all(conn, "covey_events", payloads)
+
+
+async def notify_all(conn: Connection, channel: str, payloads: list[str]) -> None:
+    """NOTIFY each payload on `channel`, in one round trip."""
+    if payloads:
+        await conn.execute("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p",
+                           channel, payloads)
 
 
 async def lock_agent(conn: Connection, agent_id: UUID, *, write: bool
@@ -229,6 +238,18 @@ class Orchestrator:
         # (covey.api.daemon sets it; the protocol lives there).
         self.hand_over: Callable[[DaemonLink], Awaitable[None]] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        # A fleet kill's daemons confirm all at once: their words go to their sessions a
+        # batch per statement, not a pool round trip (and a connection reset) each.
+        self.record_kill_confirmation = BatchedWrite(
+            pool, "UPDATE sessions s SET kill_sent_at=x.sent, kill_confirmed_at=x.confirmed,"
+                  " kill_confirmed_by=x.how"
+                  " FROM unnest($1::uuid[], $2::timestamptz[], $3::timestamptz[], $4::text[])"
+                  " AS x(id, sent, confirmed, how)"
+                  " WHERE s.id=x.id AND s.kill_confirmed_by IS NULL")
+        self.record_daemon_stop = BatchedWrite(
+            pool, "UPDATE sessions s SET daemon_stop=x.stop, daemon_stop_detail=x.detail"
+                  " FROM unnest($1::uuid[], $2::text[], $3::text[]) AS x(id, stop, detail)"
+                  " WHERE s.id=x.id AND s.daemon_stop IS NULL")
 
     # ---------------------------------------------------------------- waking
 
@@ -620,22 +641,11 @@ class Orchestrator:
 
     async def _switch(self, conn: Connection, body: Callable[[Connection], Awaitable[T]],
                       scope: str, started: float) -> T:
-        """Run a switch's flag transaction; time its commit. Retried when Postgres breaks a
-        deadlock by failing it: an emergency stop must not fail because a wake held a row."""
-        for attempt in range(1, 6):
-            try:
-                async with conn.transaction():
-                    result = await body(conn)
-            except (asyncpg.DeadlockDetectedError, asyncpg.SerializationError) as exc:
-                if attempt == 5:
-                    raise
-                log.warning("switch transaction retried", scope=scope, attempt=attempt,
-                            error=str(exc))
-                continue
-            metrics.kill_stage_seconds.labels(scope, "flag_committed").observe(
-                time.perf_counter() - started)
-            return result
-        raise AssertionError("unreachable")
+        """Run a switch's flag transaction; time its commit."""
+        result = await _retried(conn, body, scope, "flag")
+        metrics.kill_stage_seconds.labels(scope, "flag_committed").observe(
+            time.perf_counter() - started)
+        return result
 
     async def kill_agent(self, org_id: UUID, agent_id: UUID, actor_id: UUID | None,
                          origin: str = "agent", started: float | None = None,
@@ -752,9 +762,8 @@ class Orchestrator:
         )
         # Daemons connected to another replica hear of the kill through it; one NOTIFY
         # per batch that fits the 8000-byte payload.
-        for i in range(0, len(live), 200):
-            await conn.execute("SELECT pg_notify('covey_kill', $1)",
-                               ",".join(str(s["id"]) for s in live[i:i + 200]))
+        await notify_all(conn, "covey_kill", [",".join(str(s["id"]) for s in live[i:i + 200])
+                                              for i in range(0, len(live), 200)])
         return list(live)
 
     async def _stop_sessions(self, conn: Connection, scope: str, live: list[asyncpg.Record],
@@ -773,20 +782,25 @@ class Orchestrator:
             time.perf_counter() - started)
         touched = sorted({*agents, *(s["agent_id"] for s in live)})
         evicted: list[asyncpg.Record] = []
+
+        async def requeue(conn: Connection) -> tuple[list[asyncpg.Record], list[UUID]]:
+            evicted = await conn.fetch(
+                "UPDATE sandboxes SET state='evicted', ended_at=now()"
+                " WHERE agent_id = ANY($1::uuid[]) AND state='parked'"
+                " RETURNING id, agent_id, node",
+                touched,
+            )
+            requeued = await requeue_in_progress(
+                conn, "t.agent_id = ANY($1::uuid[])", [touched], f"{scope} kill-switch")
+            await record_many(conn, touched, {s["agent_id"]: s["id"] for s in live},
+                              "kill", "killed", {"scope": scope, "requeued": len(requeued)})
+            return list(evicted), requeued
+
         if touched:
-            async with conn.transaction():
-                evicted = await conn.fetch(
-                    "UPDATE sandboxes SET state='evicted', ended_at=now()"
-                    " WHERE agent_id = ANY($1::uuid[]) AND state='parked'"
-                    " RETURNING id, agent_id, node",
-                    touched,
-                )
-                report.evicted_sandboxes = [r["id"] for r in evicted]
-                report.tasks_requeued = await requeue_in_progress(
-                    conn, "t.agent_id = ANY($1::uuid[])", [touched], f"{scope} kill-switch")
-                await record_many(conn, touched, {s["agent_id"]: s["id"] for s in live},
-                                  "kill", "killed",
-                                  {"scope": scope, "requeued": len(report.tasks_requeued)})
+            # Retried like the flag's: with the flag committed, a requeue that failed on a
+            # deadlock would leave the work in progress and answer the kill with a 500.
+            evicted, report.tasks_requeued = await _retried(conn, requeue, scope, "requeue")
+            report.evicted_sandboxes = [r["id"] for r in evicted]
         metrics.kill_stage_seconds.labels(scope, "requeued").observe(
             time.perf_counter() - started)
         report.sessions_cancelled = session_ids
@@ -809,8 +823,11 @@ class Orchestrator:
         report.kill_acknowledged = self.hub.acknowledged(report.kill_confirmed)
 
     async def deliver_kills(self, session_ids: list[UUID]) -> None:
-        """A kill announced by another replica (or by ourselves: sent at most once)."""
-        await asyncio.gather(*(self.hub.send_kill(s) for s in session_ids))
+        """A kill announced by another replica (or by ourselves: sent at most once). The
+        kill's own announcement comes back here too, for every session it already sent
+        to: those cost nothing now."""
+        await asyncio.gather(*(self.hub.send_kill(s)
+                               for s in self.hub.not_yet_killed(session_ids)))
 
     async def resume_agent(self, org_id: UUID, agent_id: UUID, actor_id: UUID | None,
                            reason: str | None = None) -> ResumeReport | None:
@@ -1048,6 +1065,23 @@ class Orchestrator:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("background step failed", error=repr(task.exception()))
+
+
+async def _retried(conn: Connection, body: Callable[[Connection], Awaitable[T]], scope: str,
+                   step: str) -> T:
+    """Run `body` in a transaction on `conn`, again when Postgres breaks a deadlock (or a
+    serialization conflict) by failing it: an emergency stop must not fail because a wake,
+    a sweep or a daemon's report held a row it needed. Each attempt starts from scratch."""
+    for attempt in range(1, 6):
+        try:
+            async with conn.transaction():
+                return await body(conn)
+        except (asyncpg.DeadlockDetectedError, asyncpg.SerializationError) as exc:
+            if attempt == 5:
+                raise
+            log.warning("switch transaction retried", scope=scope, step=step,
+                        attempt=attempt, error=str(exc))
+    raise AssertionError("unreachable")
 
 
 async def _tool_flag_changed(conn: Connection, action: str, org_id: UUID,

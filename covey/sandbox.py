@@ -431,6 +431,7 @@ class Runner:
         self._evicting: set[UUID] = set()
         self._exited: dict[UUID, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._prune_batch: tuple[set[UUID], asyncio.Future[None]] | None = None
         # Exits come in bursts (a fleet kill): their rows are written a batch at a time,
         # each with the time it happened, not the time its batch was written.
         self._record_exit = BatchedWrite(
@@ -523,7 +524,7 @@ class Runner:
                 self._evicting.discard(sandbox_id)
                 await self._discard(sandbox_id, agent_id)
             else:
-                await asyncio.to_thread(self._prune_evidence, agent_id)
+                await self._prune(agent_id)
         finally:
             self._exited.pop(sandbox_id, asyncio.Event()).set()
 
@@ -544,6 +545,32 @@ class Runner:
 
     async def _discard(self, sandbox_id: UUID, agent_id: UUID) -> None:
         await asyncio.to_thread(shutil.rmtree, self.workdir_of(agent_id, sandbox_id), True)
+
+    async def _prune(self, agent_id: UUID) -> None:
+        """Prune the agent's evidence folders, in one thread hand-off for every agent whose
+        sandbox exits meanwhile (a fleet kill's exits once took a hand-off each)."""
+        batch = self._prune_batch
+        if batch is None:
+            batch = self._prune_batch = (set(), asyncio.get_running_loop().create_future())
+            self._spawn(self._prune_soon(batch))
+        batch[0].add(agent_id)
+        await asyncio.shield(batch[1])
+
+    async def _prune_soon(self, batch: tuple[set[UUID], asyncio.Future[None]]) -> None:
+        await asyncio.sleep(0)  # the exits of this turn of the loop join the batch
+        self._prune_batch = None
+        agents, done = batch
+
+        def prune_all() -> None:
+            for agent_id in agents:
+                try:
+                    self._prune_evidence(agent_id)
+                except OSError as exc:  # a folder removed under our feet: nothing to prune
+                    log.info("evidence not pruned", agent_id=str(agent_id), error=str(exc))
+        try:
+            await asyncio.to_thread(prune_all)
+        finally:
+            done.set_result(None)
 
     def _prune_evidence(self, agent_id: UUID) -> None:
         folder = self._sandboxes / str(agent_id)
@@ -603,23 +630,24 @@ class Runner:
 
     def tear_down(self, sandbox_ids: list[UUID], told_to_stop: set[UUID]) -> None:
         """Make sure these sandboxes end. One whose daemon was told to stop gets the grace
-        period to exit on its own (its exit code says it obeyed); any other is destroyed now."""
-        for sandbox_id in sandbox_ids:
-            grace = self._grace if sandbox_id in told_to_stop else 0.0
-            self._spawn(self._tear_down(sandbox_id, grace))
+        period to exit on its own (its exit code says it obeyed); any other is destroyed now.
+        One timer for the whole kill, not a task per sandbox: a fleet kill's thousand
+        teardowns cost the control plane while its answer was still due."""
+        now = [s for s in sandbox_ids if s not in told_to_stop and s in self._exited]
+        later = [s for s in sandbox_ids if s in told_to_stop and s in self._exited]
+        if now:
+            self._spawn(self._destroy_unexited(now, 0.0))
+        if later:
+            asyncio.get_running_loop().call_later(
+                self._grace, lambda: self._spawn(self._destroy_unexited(later, self._grace)))
 
-    async def _tear_down(self, sandbox_id: UUID, grace: float) -> None:
-        exited = self._exited.get(sandbox_id)
-        if exited is None:
-            return
-        try:
-            await asyncio.wait_for(exited.wait(), grace)
-        except TimeoutError:
-            handle = self._handles.get(sandbox_id)
-            if handle is not None:
-                log.warning("sandbox did not exit; destroying it", sandbox_id=str(sandbox_id),
-                            grace_s=grace)
-                await self._provider.destroy(handle)
+    async def _destroy_unexited(self, sandbox_ids: list[UUID], grace: float) -> None:
+        left = {s: h for s in sandbox_ids if (exited := self._exited.get(s)) is not None
+                and not exited.is_set() and (h := self._handles.get(s)) is not None}
+        for sandbox_id in left:
+            log.warning("sandbox did not exit; destroying it", sandbox_id=str(sandbox_id),
+                        grace_s=grace)
+        await asyncio.gather(*(self._provider.destroy(h) for h in left.values()))
 
     async def discard_evicted(self, evicted: list[Any]) -> None:
         """Tear down the sandboxes a kill or a wake evicted (covey's evictWarm), where they

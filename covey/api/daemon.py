@@ -15,6 +15,7 @@ from uuid import UUID
 
 import structlog
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocketDisconnected, WebSocketState
 
 from covey.hub import DaemonLink, send_to
 from covey.orchestrator import LAYER_NAMES, GuardTripReport, Orchestrator, record
@@ -47,8 +48,18 @@ class FatalProtocolError(ProtocolError):
 
 async def _receive_text(ws: WebSocket) -> str:
     """The next text frame. A binary frame once crashed the handler (KeyError: 'text') and
-    left a ready daemon's session running, its task in progress, until the stale sweep."""
-    message = await ws.receive()
+    left a ready daemon's session running, its task in progress, until the stale sweep.
+
+    A channel that is gone, however Starlette says so, is a WebSocketDisconnect: a daemon
+    that vanished without a closing handshake once surfaced as Starlette's
+    WebSocketDisconnected ("WebSocket is not connected", a RuntimeError), which skipped the
+    loss of its session and left its work to the 15 s sweep."""
+    if ws.client_state == WebSocketState.DISCONNECTED:
+        raise WebSocketDisconnect(1006)
+    try:
+        message = await ws.receive()
+    except WebSocketDisconnected:
+        raise WebSocketDisconnect(1006) from None
     if message["type"] == "websocket.disconnect":
         raise WebSocketDisconnect(message.get("code", 1000))
     text = message.get("text")
@@ -136,9 +147,10 @@ async def daemon_ws(ws: WebSocket) -> None:
                                 "sandbox_id")
         agent_id, sandbox_id = _uuid(payload, "agent_id"), _uuid(payload, "sandbox_id")
     except ProtocolError as exc:
-        await _reject(ws, CLOSE_PROTOCOL, exc.error, exc.hint)
+        with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
+            await _reject(ws, CLOSE_PROTOCOL, exc.error, exc.hint)
         return
-    except WebSocketDisconnect:
+    except (WebSocketDisconnect, WebSocketDisconnected):
         return
     refused = await _consume_token(orch, token, agent_id, sandbox_id)
     if refused is not None:
@@ -159,7 +171,7 @@ async def daemon_ws(ws: WebSocket) -> None:
     why = "control channel closed"
     try:
         await _serve(orch, ws, link, dict(session))
-    except WebSocketDisconnect:
+    except (WebSocketDisconnect, WebSocketDisconnected):
         pass
     except FatalProtocolError as exc:
         why = f"protocol error: {exc.error}"
@@ -299,20 +311,20 @@ async def save_daemon_stop(orch: Orchestrator, link: DaemonLink, payload: dict[s
     if stop not in DAEMON_STOPS:
         raise ProtocolError("stopping needs stop", f"stop: one of {', '.join(DAEMON_STOPS)}")
     link.last_word = str(stop)
+    if link.stop_saved:  # the first word wins (the statement also keeps a stored one)
+        return
+    link.stop_saved = True
     detail = payload.get("detail")
-    await orch.pool.execute(
-        "UPDATE sessions SET daemon_stop=$2, daemon_stop_detail=$3"
-        " WHERE id=$1 AND daemon_stop IS NULL",
+    await orch.record_daemon_stop.write(
         link.session_id, stop, None if detail is None else str(detail)[:300])
 
 
 async def save_kill_confirmation(orch: Orchestrator, link: DaemonLink) -> None:
     """How the kill sent to this daemon was confirmed, on its session; once."""
-    if link.kill_sent_ns is None or link.kill_confirmed_ns is None:
+    if link.kill_sent_ns is None or link.kill_confirmed_ns is None or link.confirmation_saved:
         return
-    await orch.pool.execute(
-        "UPDATE sessions SET kill_sent_at=$2, kill_confirmed_at=$3, kill_confirmed_by=$4"
-        " WHERE id=$1 AND kill_confirmed_by IS NULL",
+    link.confirmation_saved = True
+    await orch.record_kill_confirmation.write(
         link.session_id, _at(link.kill_sent_ns), _at(link.kill_confirmed_ns),
         link.kill_confirmed_by)
 

@@ -65,7 +65,7 @@ async def start_plane(database_url: str, data_dir: Path, daemon_command: list[st
                         lease_ms=lease_ms, daemon_command=daemon_command, **overrides)
     app = create_app(settings, host="127.0.0.1", port=port)
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                            lifespan="on", ws="websockets-sansio")
+                            lifespan="on", ws="websockets-sansio", ws_per_message_deflate=False)
     server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve())
     await eventually(lambda: _started(server, serving), 30, "control plane did not start")

@@ -1,0 +1,238 @@
+"""The kill path's edges: a daemon that vanishes without a closing handshake is lost at once
+(not 15 s later by the stale-session sweep), and the kill's second transaction survives a
+deadlock Postgres breaks by failing it. Real control plane, real Postgres, real WebSockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import MutableMapping
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+import websockets
+
+from harness.waiting import eventually
+from tests.support.plane import World
+
+
+async def _sandbox_with_token(world: World) -> tuple[dict[str, Any], str, uuid.UUID]:
+    """A sandbox row with a known token and its session, as a wake writes them, and a task
+    for the agent: the daemon that connects with the token is given it."""
+    from covey.security import new_token, token_hash
+
+    agent = await world.agent()
+    aid = uuid.UUID(agent["id"])
+    token = new_token("cvd")
+    sandbox_id = uuid.uuid4()
+    await world.db.execute(
+        "INSERT INTO sandboxes (id, agent_id, backend, daemon_token_hash, token_expires_at)"
+        " VALUES ($1, $2, 'process', $3, now() + interval '1 minute')",
+        sandbox_id, aid, token_hash(token))
+    await world.db.execute(
+        "INSERT INTO sessions (id, agent_id, sandbox_id, node) VALUES ($1, $2, $3, 'test')",
+        uuid.uuid4(), aid, sandbox_id)
+    task_id = uuid.uuid4()
+    await world.db.execute(
+        "INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin)"
+        " VALUES ($1, $2, $3, 't', 'hold', 'api')", task_id, world.org.id, aid)
+    return {"agent_id": agent["id"], "sandbox_id": str(sandbox_id)}, token, task_id
+
+
+async def _session(world: World, sandbox_id: str) -> asyncpg.Record:
+    row = await world.db.fetchrow(
+        "SELECT id, state, stop_reason FROM sessions WHERE sandbox_id=$1",
+        uuid.UUID(sandbox_id))
+    assert row is not None, f"no session for sandbox {sandbox_id}"
+    return row
+
+
+@pytest.mark.parametrize("then_sent_to", [False, True],
+                         ids=["silent", "sent-to-after-vanishing"])
+async def test_a_daemon_that_vanishes_without_a_close_is_lost_at_once(
+        world: World, caplog: pytest.LogCaptureFixture, then_sent_to: bool) -> None:
+    """A daemon whose channel is gone without a closing handshake (a crashed sandbox, a
+    reset connection) is lost as soon as the control plane sees the connection end: its task
+    goes back to the backlog, well inside the 15 s after which the sweep would find it, and
+    no handler fails with an unhandled error. Also when the control plane still sends to it
+    (a lease renewal) before it has read the end of the connection."""
+    ids, token, task_id = await _sandbox_with_token(world)
+    headers = {"Authorization": f"Bearer {token}"}
+    caplog.set_level(logging.ERROR)
+    ws = await websockets.connect(world.plane.ws_url, additional_headers=headers)
+    await ws.send(json.dumps({"type": "ready", "payload": ids}))
+    while (m := json.loads(await ws.recv()))["type"] != "assign_task":
+        pass
+    assert m["payload"]["task_id"] == str(task_id)
+    session = await _session(world, ids["sandbox_id"])
+    assert session["state"] == "running", session
+    ws.transport.abort()  # gone: no close frame, a reset connection
+    if then_sent_to:
+        # In the same turn of the loop, before the plane has read the end of the connection.
+        await world.plane.orch.renew_leases([session["id"]])
+        await world.plane.orch.hub.send(session["id"], "lease", {"ttl_ms": 2000})
+
+    async def lost() -> bool:
+        return bool((await _session(world, ids["sandbox_id"]))["state"] == "lost")
+    await eventually(lost, 5, "the session of a daemon that vanished is still live: "
+                     "it was left to the stale-session sweep")
+    reason = (await _session(world, ids["sandbox_id"]))["stop_reason"]
+    assert reason == "control channel closed", reason
+    requeued = await world.db.fetchval(
+        "SELECT count(*) FROM task_transitions WHERE task_id=$1 AND from_state='in_progress'"
+        " AND to_state='open' AND note LIKE 'daemon lost%'", task_id)
+    assert requeued == 1, "the task of the vanished daemon was not requeued"
+    assert world.plane.orch.hub.get(session["id"]) is None, "the daemon is still attached"
+    failures = [r for r in caplog.records if "Exception in ASGI application" in r.getMessage()
+                or r.exc_info is not None]
+    assert failures == [], [r.getMessage() for r in failures]
+
+
+async def test_the_kills_requeue_survives_a_deadlock(world: World) -> None:
+    """The kill's second transaction (evict the parked sandbox, requeue the work) once had
+    no retry: a deadlock that Postgres broke by failing it made the kill a 500 after the
+    flag had committed, the work left in progress. Provoked here for real: another
+    transaction holds the agent's in-progress task, the kill's requeue waits for it while
+    holding the parked sandbox it evicted, and then the other transaction wants that
+    sandbox."""
+    agent = await world.agent()
+    aid = uuid.UUID(agent["id"])
+    parked, task_id = uuid.uuid4(), uuid.uuid4()
+    await world.db.execute(
+        "INSERT INTO sandboxes (id, agent_id, backend, state, node, parked_at)"
+        " VALUES ($1, $2, 'process', 'parked', 'elsewhere', now())", parked, aid)
+    await world.db.execute(
+        "INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin, state)"
+        " VALUES ($1, $2, $3, 't', 'hold', 'api', 'in_progress')", task_id, world.org.id, aid)
+
+    other = await asyncpg.connect(world.plane.database_url)
+    try:
+        held = other.transaction()
+        await held.start()
+        await other.execute("SELECT 1 FROM backlog_tasks WHERE id=$1 FOR UPDATE", task_id)
+        kill = asyncio.create_task(world.security.post(f"/api/v1/agents/{agent['id']}/kill"))
+
+        async def requeue_waits() -> bool:
+            # The kill's transaction holds the evicted sandbox and waits for the task.
+            waiting = await world.db.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type='Lock'"
+                " AND query LIKE '%backlog_tasks%' AND pid <> pg_backend_pid()")
+            return bool(waiting)
+        await eventually(requeue_waits, 10, "the kill's requeue never waited for the task")
+        # Now the cycle: this waits for the sandbox the kill holds; Postgres fails one of
+        # the two after deadlock_timeout (1 s) — the kill's, which waited first.
+        closing = asyncio.create_task(other.execute(
+            "UPDATE sandboxes SET last_sync_at=now() WHERE id=$1", parked))
+        try:
+            await asyncio.wait_for(closing, 15)
+        except asyncpg.DeadlockDetectedError:
+            pass  # this side was the victim: the kill went on regardless
+        await held.rollback()
+        r = await asyncio.wait_for(kill, 15)
+    finally:
+        await other.close()
+    assert r.status_code == 200, f"the kill failed on a deadlock: {r.status_code} {r.text}"
+    assert r.json()["tasks_requeued"] == [str(task_id)], r.text
+    assert await world.task_state(str(task_id)) == "open"
+    assert await world.db.fetchval("SELECT state FROM sandboxes WHERE id=$1", parked) \
+        == "evicted"
+
+
+async def test_reading_a_channel_that_is_gone_says_disconnect() -> None:
+    """A unit of the daemon handler: once a channel is gone, every further read is a
+    WebSocketDisconnect (what the handler treats as a lost daemon), never Starlette's
+    WebSocketDisconnected RuntimeError, which the handler's loss path did not catch."""
+    from starlette.websockets import WebSocket, WebSocketDisconnect
+
+    from covey.api.daemon import _receive_text
+
+    frames: list[dict[str, Any]] = [
+        {"type": "websocket.connect"},
+        {"type": "websocket.receive", "text": '{"type": "heartbeat"}'},
+        {"type": "websocket.disconnect", "code": 1006},
+    ]
+
+    async def receive() -> MutableMapping[str, Any]:
+        return frames.pop(0)
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        pass
+
+    ws = WebSocket({"type": "websocket", "path": "/api/daemon/ws", "headers": []},
+                   receive, send)
+    await ws.accept()
+    assert await _receive_text(ws) == '{"type": "heartbeat"}'
+    for _ in range(2):  # the end itself, then a read after it
+        with pytest.raises(WebSocketDisconnect):
+            await _receive_text(ws)
+
+
+async def test_sandboxes_that_do_not_exit_within_the_grace_are_destroyed(
+        database_url: str, tmp_path: Path) -> None:
+    """The runner gives a daemon told to stop its grace period to exit on its own, then
+    destroys its sandbox: one timer for the whole fleet kill. Deaf daemons (they ignore
+    `kill`) under a 20 s lease would live on for up to 20 s; with a 0.5 s grace their
+    sandboxes are gone long before, killed (-9), not exited 3."""
+    from tests.conftest import SCRIPTED_DAEMON
+    from tests.support.plane import make_world, start_plane
+
+    async with start_plane(database_url, tmp_path / "replica", SCRIPTED_DAEMON,
+                           lease_ms=20_000, kill_grace_s=0.5) as plane, \
+            make_world(plane) as world:
+        agents = [await world.agent() for _ in range(3)]
+        tasks = [await world.task(a["id"], "deaf") for a in agents]
+        for task in tasks:
+            await world.wait_task(task["id"], "in_progress")
+        r = await world.security.post("/api/v1/fleet/kill")
+        assert r.status_code == 200, r.text
+        assert sorted(r.json()["tasks_requeued"]) == sorted(t["id"] for t in tasks), r.text
+        ids = [uuid.UUID(a["id"]) for a in agents]
+
+        async def destroyed() -> list[int] | None:
+            rows = await world.db.fetch(
+                "SELECT exit_code FROM sandboxes WHERE agent_id = ANY($1::uuid[])"
+                " AND state='gone'", ids)
+            return [r["exit_code"] for r in rows] if len(rows) == len(ids) else None
+        codes = await eventually(destroyed, 10, "sandboxes whose daemons ignored the kill "
+                                 "were not destroyed after the grace period")
+        assert codes == [-9] * len(ids), f"expected every sandbox killed (-9): {codes}"
+
+
+async def test_the_kills_wait_returns_who_confirmed_within_its_bound() -> None:
+    """A unit of the hub: a kill waits for its daemons' confirmations at most its bound,
+    and answers with those that confirmed (by `kill_ack` or hang-up), in the order asked;
+    a daemon that never answers ends the wait only when the bound does."""
+    from covey.hub import DaemonHub, DaemonLink
+
+    sent: list[str] = []
+
+    class Sink:
+        async def send_text(self, data: str) -> None:
+            sent.append(data)
+
+    hub = DaemonHub()
+    links = [DaemonLink(uuid.uuid4(), uuid.uuid4(), Sink()) for _ in range(3)]
+    for link in links:
+        hub.attach(link)
+        assert await hub.send_kill(link.session_id)
+    acked, silent, hung_up = links
+    hub.acknowledge_kill(acked.session_id)  # before the wait starts
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.05, hub.detach, hung_up.session_id)  # during the wait
+    started = loop.time()
+    confirmed = await hub.wait_stopped([s.session_id for s in links], 0.5)
+    waited = loop.time() - started
+    assert confirmed == [acked.session_id, hung_up.session_id], confirmed
+    assert 0.45 <= waited < 5, f"the wait took {waited:.2f} s, bounded at 0.5 s"
+    assert hub.acknowledged(confirmed) == [acked.session_id]
+    assert silent.waits == [], "the finished wait is still registered on a daemon"
+    # Every daemon confirmed: the wait ends at once, not at its bound.
+    hub.acknowledge_kill(silent.session_id)
+    started = loop.time()
+    assert len(await hub.wait_stopped([s.session_id for s in links], 30)) == 3
+    assert loop.time() - started < 5
+    assert len(sent) == 3
