@@ -41,6 +41,7 @@ class LoadPlan:
     run_time: str  # Locust's syntax: 20s, 2m, 1h30m
     processes: int = 1  # Locust worker processes on this machine (1: no workers)
     killers: int = 1
+    killer_pause_s: tuple[float, float] = (1.0, 2.0)  # between one kill and the next
     kill_bound_ms: float = 5000.0  # a kill whose daemon exits later than this failed
     max_kill_p99_ms: float | None = None  # the gate on kill → daemon exited
     master_workers: int = 0  # > 0: wait for this many `locust --worker`s from elsewhere
@@ -192,6 +193,7 @@ def load_environment(fleet: Fleet, plan: LoadPlan) -> dict[str, str]:
             "COVEY_LOAD_PUPPET_URL": fleet.ledger_url,
             "COVEY_LOAD_AGENT_PREFIX": fleet.prefix,
             "COVEY_LOAD_KILLERS": str(plan.killers),
+            "COVEY_LOAD_KILLER_PAUSE_S": ",".join(str(s) for s in plan.killer_pause_s),
             "COVEY_LOAD_KILL_BOUND_MS": str(plan.kill_bound_ms)}
 
 
