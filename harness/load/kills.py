@@ -17,12 +17,18 @@ from harness.checkers import daemon_acked_at, kill_acknowledged_at, sent_at
 LEDGER_MARGIN_NS = 10_000_000_000
 
 
+def daemon_acks(sessions: list[dict[str, Any]]) -> list[int]:
+    """When each of these sessions' daemons acknowledged its kill (those that did), as
+    `GET …/sessions` records it."""
+    acks = [daemon_acked_at(_ns(s.get("kill_acked_at")), _ns(s.get("kill_confirmed_at")))
+            for s in sessions if s.get("kill_confirmed_by") == "kill_ack"]
+    return [ns for ns in acks if ns is not None]
+
+
 def acknowledged_at(switch_ack_ns: int, sessions: list[dict[str, Any]]) -> int:
     """When the kill counts as acknowledged for the agent of these sessions (its sessions
-    the kill cancelled, as `GET …/sessions` gives them)."""
-    return kill_acknowledged_at(switch_ack_ns, [
-        daemon_acked_at(_ns(s.get("kill_acked_at")), _ns(s.get("kill_confirmed_at")))
-        for s in sessions if s.get("kill_confirmed_by") == "kill_ack"])
+    the kill cancelled)."""
+    return kill_acknowledged_at(switch_ack_ns, daemon_acks(sessions))
 
 
 def late_requests(ledger: list[dict[str, Any]], acknowledged_ns: int) -> list[dict[str, Any]]:

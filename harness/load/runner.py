@@ -28,8 +28,8 @@ from harness.stack import Endpoints
 from harness.waiting import eventually
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
-PARTS = {"acknowledged_ns": "kill → acknowledged", "daemon_exited_ns": "kill → daemon exited",
-         "task_open_ns": "kill → task open"}
+PARTS = {"acknowledged_ns": "kill → acknowledged", "daemon_acked_ns": "kill → daemon acked",
+         "daemon_exited_ns": "kill → daemon exited", "task_open_ns": "kill → task open"}
 # Requests the load makes of something other than the control plane.
 NOT_THE_CONTROL_PLANE = {"puppet ledger"}
 

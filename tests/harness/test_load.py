@@ -133,8 +133,8 @@ def test_a_short_headless_load_run_passes_and_writes_its_reports(tmp_path: Path)
     run, summary = gameday_load(tmp_path)
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-3000:]}"
     assert summary["passed"] and summary["kills"] >= 1 and not summary["failed_kills"]
-    assert set(summary["parts_us"]) == {"kill → acknowledged", "kill → daemon exited",
-                                        "kill → task open"}
+    assert set(summary["parts_us"]) == {"kill → acknowledged", "kill → daemon acked",
+                                        "kill → daemon exited", "kill → task open"}
     assert summary["requests"] > 0 and summary["request_failures"] == 0
     for kind in ("csv", "html"):
         assert Path(summary["files"][kind]).stat().st_size > 0, kind
