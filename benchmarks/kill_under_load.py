@@ -110,7 +110,9 @@ def row(level: dict[str, Any], baseline: dict[str, Any]) -> str:
         ratio = (f" ({p['p99_ms'] / baseline[name]['p99_ms']:.2f}x)" if baseline.get(name)
                  else "")
         return f"{name} p50 {p['p50_ms']:.1f} / p99 {p['p99_ms']:.1f} ms{ratio}"
-    cores = " ".join(f"{name} {use['cores']:.2f}" for name, use in level["cpu"].items())
+    cores = ", ".join(f"{name} {use['cores']:.2f}"
+                      + (f" (waiting {use['waiting']:.2f})" if "waiting" in use else "")
+                      for name, use in level["cpu"].items())
     return (f"{level['level']:>22}: {level['kills']:3d} kills, {level['failed_kills']} failed, "
             f"{level['requests_per_s']:6.1f} req/s, {level['request_failures']} failed "
             f"requests · {part(ACKED)} · {part(EXITED)} · {part(OPEN)} · load "
