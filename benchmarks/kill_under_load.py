@@ -41,6 +41,7 @@ from harness.load.runner import (
 )
 from harness.stack import ProcessesStack
 
+ANSWERED = "kill → acknowledged"  # the switch's answer to the operator
 ACKED, EXITED, OPEN = "kill → daemon acked", "kill → daemon exited", "kill → task open"
 
 
@@ -110,7 +111,7 @@ async def run(options: argparse.Namespace) -> dict[str, Any]:
     for level_figures in report["levels"]:
         level_figures["p99_ratio_to_unloaded"] = {
             part: round(level_figures[part]["p99_ms"] / baseline[part]["p99_ms"], 2)
-            for part in (ACKED, EXITED, OPEN)
+            for part in (ANSWERED, ACKED, EXITED, OPEN)
             if level_figures.get(part) and baseline.get(part)}
         print("all rounds " + row(level_figures, baseline), flush=True)
     return report
@@ -143,7 +144,7 @@ def figures(level: Level, result: LoadResult, rounds: list[LoadResult]) -> dict[
                            "requests_per_s": round(sum(r.requests_per_s for r in rounds)
                                                    / len(rounds), 1),
                            "problems": result.problems, "loadavg": load_average()}
-    for part in (ACKED, EXITED, OPEN):
+    for part in (ANSWERED, ACKED, EXITED, OPEN):
         p = result.parts_us.get(part)
         if p:
             out[part] = {"count": p["count"], "p50_ms": p["p50_us"] / 1000,

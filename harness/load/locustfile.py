@@ -172,7 +172,7 @@ class Killer(CoveyUser):
                                   "acknowledged_ns": acknowledged_ns - invoked_ns,
                                   "daemon_acked_ns": None, "daemon_exited_ns": None,
                                   "task_open_ns": None, "exit_codes": [], "failure": None,
-                                  "late_requests": []}
+                                  "late_requests": [], "confirmed_by": []}
         try:
             self._fire(ACKNOWLEDGED, sample["acknowledged_ns"])
             exited, opened = self._stopped(path, report["sessions_cancelled"],
@@ -181,13 +181,22 @@ class Killer(CoveyUser):
                           task_open_ns=opened)
             if opened is not None:  # None: the kill found no work in progress
                 self._fire(TASK_OPEN, opened)
-            acks = daemon_acks(self._confirmed(path, report["sessions_cancelled"]))
+            confirmed = self._confirmed(path, report["sessions_cancelled"])
+            # How each daemon's stop was confirmed: its kill_ack, or a lapsed lease or
+            # hang-up when the kill message came too late (a starved control plane).
+            sample["confirmed_by"] = [s["kill_confirmed_by"] for s in confirmed]
+            acks = daemon_acks(confirmed)
             if acks:  # the daemon's own clock: when the last of them had the kill in hand
                 sample["daemon_acked_ns"] = max(acks) - invoked_ns
                 self._fire(DAEMON_ACKED, sample["daemon_acked_ns"])
             acked_ns = kill_acknowledged_at(acknowledged_ns, acks)
-            late = self._requests_after(agent["id"], acked_ns)
+            ledger = self._ledger(agent["id"], acked_ns)
+            late = late_requests(ledger, acked_ns)
             sample["late_requests"] = late
+            # What judging by the puppet's own stamps would have counted: requests it saw
+            # after the switch's answer (every one of them sent before the acknowledgement
+            # unless it is in `late`).
+            sample["seen_after_answer"] = sum(1 for e in ledger if e["at_ns"] > acknowledged_ns)
             if late:
                 unconfirmed = set(report["sessions_cancelled"]) - set(
                     report.get("sessions_confirmed", []))
@@ -268,12 +277,13 @@ class Killer(CoveyUser):
                 return rows
             time.sleep(POLL_S)
 
-    def _requests_after(self, agent_id: str, acknowledged_ns: int) -> list[dict[str, Any]]:
+    def _ledger(self, agent_id: str, acknowledged_ns: int) -> list[dict[str, Any]]:
         # Only what the puppet saw lately: the read stays small however long the run.
         r = self.client.get(self.ledger_url, name="puppet ledger", params={
             "agent": agent_id, "after_ns": str(acknowledged_ns - LEDGER_MARGIN_NS)})
         r.raise_for_status()
-        return late_requests(r.json(), acknowledged_ns)
+        rows: list[dict[str, Any]] = r.json()
+        return rows
 
     def _json(self, path: str, params: dict[str, str] | None = None) -> list[dict[str, Any]]:
         name = "/api/v1/agents/[id]/" + path.rsplit("/", 1)[-1]

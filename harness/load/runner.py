@@ -10,6 +10,7 @@ definition (HDR), not Locust's rounded response-time buckets.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import json
 import os
@@ -162,6 +163,11 @@ async def run_load(endpoints: Endpoints, fleet: Fleet, plan: LoadPlan, report_di
             os.killpg(locust.pid, signal.SIGTERM)
             await locust.wait()
             raise
+        # A `--processes` master can end while its workers run on: they gave up on it only
+        # after 60 s without its heartbeat, loading the next run meanwhile. Nothing of a
+        # run outlives it.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(locust.pid, signal.SIGTERM)
     finally:
         out.close()
     return await asyncio.to_thread(finish, plan, files, code)
