@@ -37,6 +37,14 @@ log = logging.getLogger("coveyd")
 EXIT_SLEEP, EXIT_ERROR, EXIT_TRIPPED, EXIT_KILLED = 0, 1, 2, 3
 # How long the last word may hold up the exit: the channel may be the very thing that is cut.
 LAST_WORD_S = 0.2
+# Each model request carries when the daemon sent it, in nanoseconds of the wall clock
+# (CLOCK_REALTIME). A model endpoint stamps a request when its handler runs, which under
+# load trails the send by whatever its event loop was busy with; only the sender can say
+# whether a request left before or after the daemon acknowledged its kill (`acked_ns` in
+# `kill_ack`, the same clock). Processes on one host share that clock, and containers share
+# their host's (Docker gives them no clock of their own), so the harness can set both beside
+# the control plane's times; across hosts they are as close as the hosts' clocks.
+SENT_AT_HEADER = "X-Covey-Sent-At-Ns"
 
 # USD per million tokens (prompt, completion). A model missing here trips the budget layer.
 DEFAULT_PRICES: dict[str, tuple[float, float]] = {
@@ -164,9 +172,11 @@ class Daemon:
                 self.stop_work(f"reason {reason}")
                 stop = Stop("kill", EXIT_KILLED, f"reason {reason}")
                 # Confirmed once nothing more can start: the control plane answers the
-                # operator when the kill is in hand here. The ack is this daemon's last word.
+                # operator when the kill is in hand here. The ack is this daemon's last word,
+                # with when it was given: no model request may be sent after it.
                 with contextlib.suppress(websockets.ConnectionClosed, TimeoutError):
-                    await asyncio.wait_for(self.send("kill_ack", stop.payload()), 1.0)
+                    await asyncio.wait_for(self.send("kill_ack", {
+                        **stop.payload(), "acked_ns": time.time_ns()}), 1.0)
                 self.finish(stop.kind, stop.exit_code, stop.detail)
                 return
             if kind == "sleep":
@@ -311,10 +321,13 @@ class Daemon:
 
     async def chat(self, model: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
         try:
+            # Stamped as late as this daemon can: from here to the wire there is only the
+            # HTTP client, and a kill that arrives meanwhile cancels the request unsent.
             r = await self.http.post(
                 f"{self.env.model_url}/chat/completions",
                 headers={"Authorization": f"Bearer {self.env.model_key}",
-                         "X-Covey-Agent": self.env.agent_id},
+                         "X-Covey-Agent": self.env.agent_id,
+                         SENT_AT_HEADER: str(time.time_ns())},
                 json={"model": model, "messages": messages, "tools": SCHEMAS}, timeout=120)
             r.raise_for_status()
             reply: dict[str, Any] = r.json()

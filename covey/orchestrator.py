@@ -242,9 +242,9 @@ class Orchestrator:
         # batch per statement, not a pool round trip (and a connection reset) each.
         self.record_kill_confirmation = BatchedWrite(
             pool, "UPDATE sessions s SET kill_sent_at=x.sent, kill_confirmed_at=x.confirmed,"
-                  " kill_confirmed_by=x.how"
-                  " FROM unnest($1::uuid[], $2::timestamptz[], $3::timestamptz[], $4::text[])"
-                  " AS x(id, sent, confirmed, how)"
+                  " kill_confirmed_by=x.how, kill_acked_at=x.acked"
+                  " FROM unnest($1::uuid[], $2::timestamptz[], $3::timestamptz[], $4::text[],"
+                  " $5::timestamptz[]) AS x(id, sent, confirmed, how, acked)"
                   " WHERE s.id=x.id AND s.kill_confirmed_by IS NULL")
         self.record_daemon_stop = BatchedWrite(
             pool, "UPDATE sessions s SET daemon_stop=x.stop, daemon_stop_detail=x.detail"

@@ -3,16 +3,18 @@ to a verdict that points at the events proving it. The run only records; these j
 
 What they read from the history (see harness.history and harness.stops):
 * `kill_agent`, `kill_fleet`, `resume_agent`, `resume_fleet`: operator operations;
-* `action` by process `agent:<id>`: one entry of the puppet model's ledger, at its own time;
+* `action` by process `agent:<id>`: one entry of the puppet model's ledger, at its own time,
+  with `value["sent_ns"]`, when the daemon sent the request (None: it did not say);
 * `task_state` with `value = {"task_id", "state", "agent_id"}`: a task's state as read back;
   the harness reads every task right before a kill's invoke and again after its ok;
 * `wake` / `session_start` with `value["agent_id"]`: an agent seen starting work (an ok whose
   value says `"outcome"` other than `"started"`, such as a refused wake request, is none);
 * `fault_start` / `fault_heal` by the nemesis, with `value["fault_id"]`;
 * `kill_delivery` with `value = {"agent_id", "session_id", "sent_ns", "confirmed_ns",
-  "confirmed_by", "daemon_stop"}`: a kill message the control plane sent to a running
-  daemon, and how it was confirmed (`kill_ack`, `lease`, `hang_up`; None: not yet), at the
-  control plane's times, read back from the session record.
+  "confirmed_by", "daemon_stop", "acked_ns"}`: a kill message the control plane sent to a
+  running daemon, and how it was confirmed (`kill_ack`, `lease`, `hang_up`; None: not yet),
+  at the control plane's times, read back from the session record; `acked_ns` is when the
+  daemon itself says it acknowledged (its own clock; None when it did not say).
 
 A verdict is `unknown` when the history holds nothing to judge or cannot tell (an outcome
 nobody knows), never a pass by default.
@@ -86,8 +88,39 @@ class Verdict:
 Checker = Callable[[History, FinalState], Verdict]
 
 
+def sent_at(sent_ns: object, received_ns: int) -> int:
+    """When a model request counts as made: when its daemon sent it (the send stamp coveyd
+    puts on every request, on the wall clock the harness and the control plane share on one
+    host); without a stamp, when the model saw it, which can only be later: a request of
+    unknown send time is judged as late as it may have been (fail closed)."""
+    if isinstance(sent_ns, int) and not isinstance(sent_ns, bool):
+        return sent_ns
+    return received_ns
+
+
+def daemon_acked_at(acked_ns: object, confirmed_ns: object) -> int | None:
+    """When a daemon acknowledged a kill: its own stamp in its `kill_ack` (the clock its
+    send stamps are on), else when the control plane read that `kill_ack` (later, so only
+    ever laxer by the channel's delay); None without a `kill_ack`."""
+    for ns in (acked_ns, confirmed_ns):
+        if isinstance(ns, int) and not isinstance(ns, bool):
+            return ns
+    return None
+
+
+def kill_acknowledged_at(switch_ack_ns: int, daemon_acks_ns: Iterable[int | None]) -> int:
+    """When a kill counts as acknowledged for an agent: the earlier of the switch's answer to
+    the operator and its daemon's own `kill_ack`. A request sent after either broke a
+    promise: the operator was told the agent stopped, or the daemon said it had."""
+    return min([switch_ack_ns, *(ns for ns in daemon_acks_ns if ns is not None)])
+
+
 def no_action_after_kill_ack(history: History, final: FinalState) -> Verdict:
-    """No agent action started after its kill was acknowledged, until a resume released it."""
+    """No agent action was sent after its kill was acknowledged, until a resume released it.
+
+    An action counts at its daemon's send stamp (`sent_at`); a kill is acknowledged for an
+    agent at the earlier of the kill's ok and that agent's daemon's `kill_ack` for it
+    (`kill_acknowledged_at`, from the `kill_delivery` the session record gives)."""
     name = "no_action_after_kill_ack"
     all_stops = stops(history)
     acknowledged = [s for s in all_stops if s.acknowledged_ns is not None]
@@ -95,31 +128,76 @@ def no_action_after_kill_ack(history: History, final: FinalState) -> Verdict:
         return Verdict(name, "unknown", "No kill was acknowledged in this game day, so there is "
                        "no stop to judge the agents' actions against.")
     actions = [op for op in history.operations(ACTION_F) if op.agent_id is not None]
-    offences: dict[tuple[str, int], list[Operation]] = defaultdict(list)
-    stop_of: dict[int, Stop] = {}
+    deliveries = [d for d in history.operations(KILL_DELIVERY_F)
+                  if d.agent_id is not None and d.value.get("confirmed_by") == "kill_ack"
+                  and isinstance(d.value.get("sent_ns"), int)]
+    offences: dict[tuple[str, int], list[tuple[Operation, int]]] = defaultdict(list)
+    stop_of: dict[int, tuple[Stop, int, Operation | None]] = {}
+    unstamped = 0
     for action in actions:
         agent_id = _agent(action)
-        stop = holding(all_stops, agent_id, final.org_of(agent_id), action.start_ns)
-        if stop is not None:
-            offences[(agent_id, stop.kill.first_index)].append(action)
-            stop_of[stop.kill.first_index] = stop
+        made_ns = sent_at(action.value.get("sent_ns"), action.start_ns)
+        unstamped += not _stamped(action)
+        for stop in acknowledged:
+            if not stop.covers(agent_id, final.org_of(agent_id)):
+                continue
+            ack_ns, delivery = _acknowledged_for(stop, agent_id, deliveries)
+            if ack_ns < made_ns and (stop.lifted_ns is None or made_ns < stop.lifted_ns):
+                offences[(agent_id, stop.kill.first_index)].append((action, made_ns))
+                stop_of[stop.kill.first_index] = (stop, ack_ns, delivery)
+                break
+    unstamped_note = "" if not unstamped else (
+        f"; {_count(unstamped, 'action')} carried no send stamp and counted from when the "
+        "model saw them")
     if not offences:
-        return Verdict(name, True, f"No agent action started after an acknowledged kill "
+        return Verdict(name, True, f"No agent action was sent after an acknowledged kill "
                        f"({_count(len(actions), 'action')} against "
-                       f"{_count(len(acknowledged), 'kill')}).",
+                       f"{_count(len(acknowledged), 'kill')}{unstamped_note}).",
                        tuple(s.kill.last_index for s in acknowledged))
     evidence: set[int] = set()
     lines = []
     for (agent_id, kill_index), acted in sorted(offences.items()):
-        stop = stop_of[kill_index]
-        ack_ns = stop.acknowledged_ns or 0
-        evidence.update([stop.kill.last_index, *(a.first_index for a in acted)])
+        stop, ack_ns, delivery = stop_of[kill_index]
+        evidence.update([stop.kill.last_index, *(a.first_index for a, _ in acted)])
+        by = "by the switch's answer"
+        if delivery is not None:
+            evidence.add(delivery.last_index)
+            by = f"by its daemon (event {delivery.last_index})"
+        stamped = [a for a, _ in acted if _stamped(a)]
+        how = ("by its daemon's send stamps" if len(stamped) == len(acted) else
+               "as the model saw them (no send stamp)" if not stamped else
+               f"by its daemon's send stamps ({len(acted) - len(stamped)} without one, as the "
+               "model saw them)")
         lines.append(f"agent {agent_id} acted {_count(len(acted), 'time')} after the {stop.kill.f} "
                      f"acknowledged at event {stop.kill.last_index} (the last "
-                     f"{_ms(max(a.start_ns for a in acted) - ack_ns)} after it)")
-    return Verdict(name, False, _sentence("Actions started after the kill was acknowledged",
+                     f"{_ms(max(made for _, made in acted) - ack_ns)} after it was acknowledged "
+                     f"{by}, {how})")
+    return Verdict(name, False, _sentence("Actions sent after the kill was acknowledged",
                                           lines, "the kill did not stop these agents"),
                    tuple(sorted(evidence)))
+
+
+def _stamped(action: Operation) -> bool:
+    sent = action.value.get("sent_ns")
+    return isinstance(sent, int) and not isinstance(sent, bool)
+
+
+def _acknowledged_for(stop: Stop, agent_id: str, deliveries: list[Operation]
+                      ) -> tuple[int, Operation | None]:
+    """When `stop` was acknowledged for `agent_id`, and the daemon's `kill_delivery` that
+    made it earlier than the switch's answer (None: the answer was first, or no daemon of
+    the agent acknowledged this kill)."""
+    switch_ns = stop.acknowledged_ns or 0
+    best: tuple[int, Operation | None] = (switch_ns, None)
+    for d in deliveries:
+        sent = int(d.value["sent_ns"])
+        if d.agent_id != agent_id or sent < stop.kill.start_ns \
+                or (stop.lifted_ns is not None and sent >= stop.lifted_ns):
+            continue
+        acked = daemon_acked_at(d.value.get("acked_ns"), d.value.get("confirmed_ns"))
+        if acked is not None and kill_acknowledged_at(best[0], [acked]) < best[0]:
+            best = (acked, d)
+    return best
 
 
 def in_progress_requeued(history: History, final: FinalState) -> Verdict:

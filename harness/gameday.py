@@ -71,7 +71,8 @@ def kill_delivery(agent_id: str, session: dict[str, Any]) -> dict[str, Any] | No
     return {"agent_id": agent_id, "session_id": session["id"], "sent_ns": sent,
             "confirmed_ns": _ns(session.get("kill_confirmed_at")),
             "confirmed_by": session.get("kill_confirmed_by"),
-            "daemon_stop": session.get("daemon_stop"), "sandbox_id": session.get("sandbox_id")}
+            "daemon_stop": session.get("daemon_stop"), "sandbox_id": session.get("sandbox_id"),
+            "acked_ns": _ns(session.get("kill_acked_at"))}
 
 
 def sandbox_observations(box: dict[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
@@ -324,15 +325,17 @@ class GameDay:
 
     async def copy_ledger(self) -> None:
         """The puppet model's ledger into the history: each request an agent made is an
-        action, at the time the model saw it, with the tool call it was answered with and
-        the usage reported; and each call that reached the failing service."""
+        action, at the time the model saw it and with the time its daemon sent it, with the
+        tool call it was answered with and the usage reported; and each call that reached
+        the failing service."""
         for agent_id in self.agents:
             for entry in await self.endpoints.puppet.actions(agent_id):
                 self.history.observe(f"agent:{agent_id}", "action",
                                      {"step": entry.step, "behaviour": entry.behaviour,
                                       "tool": entry.tool, "args": entry.args,
                                       "prompt_tokens": entry.prompt_tokens,
-                                      "completion_tokens": entry.completion_tokens},
+                                      "completion_tokens": entry.completion_tokens,
+                                      "sent_ns": entry.sent_ns},
                                      time_ns=entry.at_ns)
             for at_ns in await self.endpoints.puppet.failed_calls(agent_id):
                 self.history.observe(f"agent:{agent_id}", FAILING_SERVICE_CALL_F, {},

@@ -15,7 +15,7 @@ import re
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from covey.coveyd import SENT_AT_HEADER
 from harness import scripts
 
 # USD per million tokens in coveyd's price table for the model "puppet": (1.0, 2.0).
@@ -116,7 +117,7 @@ _MARKER = re.compile(r"model:(\w+)")
 @dataclass
 class LedgerEntry:
     agent_id: str
-    at_ns: int
+    at_ns: int  # when the puppet began to handle the request (its wall clock)
     step: int
     behaviour: str
     tool_results: list[str]
@@ -126,6 +127,11 @@ class LedgerEntry:
     # The usage the reply reported (what the daemon prices); NaN when the script says so.
     prompt_tokens: float = 0
     completion_tokens: float = 0
+    # When the daemon sent the request, by its own stamp (covey.coveyd.SENT_AT_HEADER, the
+    # same wall clock on one host); None when it sent none. `at_ns` trails it by however
+    # long the puppet's event loop was busy; only this tells a request sent before the
+    # daemon acknowledged its kill from one sent after.
+    sent_ns: int | None = None
 
 
 # A behaviour: the name of a built-in one, of a script in fixtures/scripts, or a script.
@@ -170,7 +176,9 @@ class Puppet:
         match = _MARKER.search(task)
         return match.group(1) if match and match.group(1) in BEHAVIOURS else "well_behaved"
 
-    def answer(self, agent_id: str, messages: list[dict[str, Any]], base_url: str) -> Reply:
+    def answer(self, agent_id: str, messages: list[dict[str, Any]], base_url: str,
+               sent_ns: int | None = None, received_ns: int | None = None) -> Reply:
+        received_ns = time.time_ns() if received_ns is None else received_ns
         behaviour = self.behaviour_of(agent_id, messages)
         results = [str(m.get("content")) for m in messages if m.get("role") == "tool"]
         step = len(results)
@@ -184,9 +192,9 @@ class Puppet:
         function = tool_calls[0].get("function", {})
         usage = reply["usage"]
         self.ledger[agent_id].append(LedgerEntry(
-            agent_id, time.time_ns(), step, behaviour_name(behaviour), results[-1:],
+            agent_id, received_ns, step, behaviour_name(behaviour), results[-1:],
             function.get("name", ""), json.loads(function.get("arguments", "{}")),
-            usage["prompt_tokens"], usage["completion_tokens"]))
+            usage["prompt_tokens"], usage["completion_tokens"], sent_ns))
         return reply
 
     def actions(self, agent_id: str) -> list[LedgerEntry]:
@@ -194,6 +202,15 @@ class Puppet:
 
     def failed_calls(self, agent_id: str) -> list[int]:
         return list(self.failures.get(agent_id, []))
+
+
+def sent_stamp(headers: Mapping[str, str]) -> int | None:
+    """The daemon's send stamp of a request; None when it is missing or not a stamp (the
+    judges then fall back on the puppet's own, later, time: they fail closed)."""
+    raw = headers.get(SENT_AT_HEADER)
+    if raw is None or not (raw.isascii() and raw.isdigit()) or len(raw) > 19:
+        return None
+    return int(raw)
 
 
 def _json(content: Any) -> Response:
@@ -211,6 +228,7 @@ def create_app(puppet: Puppet) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def completions(request: Request) -> Response:
+        received_ns = time.time_ns()  # before the body is read: as early as the handler can
         try:
             body = await request.json()
             messages = body["messages"]
@@ -220,7 +238,8 @@ def create_app(puppet: Puppet) -> FastAPI:
             return JSONResponse({"error": {"message": f"bad request: {exc}"}}, status_code=400)
         agent = request.headers.get("x-covey-agent", "?")
         base = str(request.base_url).rstrip("/")
-        return _json(puppet.answer(agent, messages, base))
+        return _json(puppet.answer(agent, messages, base, sent_stamp(request.headers),
+                                   received_ns))
 
     @app.post("/puppet/agents/{agent_id}", status_code=204)
     async def assign(agent_id: str, body: AssignIn) -> None:
@@ -232,9 +251,13 @@ def create_app(puppet: Puppet) -> FastAPI:
             raise HTTPException(422, str(exc)) from None
 
     @app.get("/puppet/ledger")
-    async def ledger(agent: str | None = None) -> Response:
+    async def ledger(agent: str | None = None, after_ns: int | None = None) -> Response:
+        """The ledger (of one agent), in the order the puppet saw the requests; `after_ns`:
+        only those it saw after then."""
         entries = puppet.actions(agent) if agent else [
             e for rows in puppet.ledger.values() for e in rows]
+        if after_ns is not None:
+            entries = [e for e in entries if e.at_ns > after_ns]
         return _json([asdict(e) for e in sorted(entries, key=lambda e: e.at_ns)])
 
     @app.get("/puppet/fail")

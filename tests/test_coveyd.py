@@ -4,18 +4,32 @@ which works tasks against a scripted OpenAI-compatible endpoint through its guar
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from harness.checkers import (
+    KILL_DELIVERY_F,
+    FinalState,
+    Verdict,
+    kill_obeyed,
+    no_action_after_kill_ack,
+)
+from harness.gameday import kill_delivery
+from harness.history import History
+from harness.load.kills import acknowledged_at, late_requests
 from harness.nemesis import FaultProxy
 from harness.puppet import Puppet
 from tests.conftest import COVEYD
 from tests.support.plane import Plane, World, eventually, free_port, make_world, start_plane
+
+ACTS_AFTER_ACK = [sys.executable, str(Path(__file__).parent / "support" / "acts_after_ack.py")]
 
 
 @pytest.fixture
@@ -77,6 +91,7 @@ async def test_a_kill_ends_the_daemon_with_code_3(
     async def busy() -> bool:
         return len(puppet.actions(agent["id"])) >= 3
     await eventually(busy, 20, "the agent never got going")
+    invoked_ns = time.time_ns()
     r = await cworld.security.post(f"/api/v1/agents/{agent['id']}/kill")
     acknowledged_ns = time.time_ns()
     assert r.status_code == 200
@@ -90,10 +105,75 @@ async def test_a_kill_ends_the_daemon_with_code_3(
     assert "exiting with 3" in log and "obeyed a kill message (reason kill-switch)" in log
     session = await _session_of(cworld, agent["id"], sandbox["id"])
     assert (session["daemon_stop"], session["kill_confirmed_by"]) == ("kill", "kill_ack")
-    assert session["kill_sent_at"] <= session["kill_confirmed_at"]
+    # The daemon's own ack and the control plane's times are on one clock (one host's wall
+    # clock): sent, then acknowledged by the daemon, then read by the control plane.
+    assert session["kill_sent_at"] <= session["kill_acked_at"] <= session["kill_confirmed_at"]
     assert await cworld.task_state(task["id"]) == "open"
-    # Nothing the agent asked its model for began after the kill was acknowledged.
-    assert [e for e in puppet.actions(agent["id"]) if e.at_ns > acknowledged_ns] == []
+    # Every request carries its send stamp, taken before the puppet saw it; none was sent
+    # after the kill was acknowledged (the rule the game days and the load's killer judge by).
+    ledger = [asdict(e) for e in puppet.actions(agent["id"])]
+    assert ledger and all(e["sent_ns"] is not None and e["sent_ns"] <= e["at_ns"]
+                          for e in ledger), ledger
+    assert late_requests(ledger, acknowledged_at(acknowledged_ns, [session])) == []
+    assert _judged(agent["id"], invoked_ns, acknowledged_ns, session, puppet).valid is True
+
+
+async def test_a_daemon_that_asks_its_model_after_acking_the_kill_fails_the_kill_rule(
+        database_url: str, tmp_path: Path, model: tuple[str, Puppet]) -> None:
+    """The send stamps do not let a daemon off: one that acts after its own kill_ack looks
+    obedient from everywhere else (kill_ack in time, exit 3), and is caught."""
+    url, puppet = model
+    async with start_plane(database_url, tmp_path, ACTS_AFTER_ACK, model_url=url) as plane, \
+            make_world(plane) as world:
+        agent = await world.agent()
+        await world.task(agent["id"], "model:silent")
+
+        async def busy() -> bool:
+            return len(puppet.actions(agent["id"])) >= 2
+        await eventually(busy, 20, "the agent never got going")
+        invoked_ns = time.time_ns()
+        r = await world.security.post(f"/api/v1/agents/{agent['id']}/kill")
+        acknowledged_ns = time.time_ns()
+        assert r.status_code == 200
+        assert r.json()["sessions_acknowledged"] == r.json()["sessions_cancelled"] != []
+        sandbox = await _sandbox(world, agent["id"])
+        assert sandbox["exit_code"] == 3
+        session = await _session_of(world, agent["id"], sandbox["id"])
+        assert session["kill_confirmed_by"] == "kill_ack"
+
+        history = _judged_history(agent["id"], invoked_ns, acknowledged_ns, session, puppet)
+        assert kill_obeyed(history, FinalState()).valid is True  # it looks obedient
+        verdict = no_action_after_kill_ack(history, FinalState())
+        assert verdict.valid is False, verdict.message
+        assert f"agent {agent['id']} acted 1 time after the kill_agent" in verdict.message
+        assert "acknowledged by its daemon" in verdict.message
+        assert "by its daemon's send stamps" in verdict.message
+        # The load's killer judges it the same way.
+        ledger = [asdict(e) for e in puppet.actions(agent["id"])]
+        late = late_requests(ledger, acknowledged_at(acknowledged_ns, [session]))
+        assert len(late) == 1 and late[0]["sent_ns"] is not None, late
+
+
+def _judged_history(agent_id: str, invoked_ns: int, acknowledged_ns: int,
+                    session: dict[str, Any], puppet: Puppet) -> History:
+    """The kill, its delivery and the agent's model requests, recorded as a game day does."""
+    history = History()
+    invoke = history.record("invoke", "operator:security", "kill_agent",
+                            {"agent_id": agent_id}, time_ns=invoked_ns)
+    history.complete(invoke, "ok", {"status": 200}, time_ns=acknowledged_ns)
+    delivery = kill_delivery(agent_id, session)
+    assert delivery is not None
+    history.observe("observer", KILL_DELIVERY_F, delivery, time_ns=delivery["sent_ns"])
+    for entry in puppet.actions(agent_id):
+        history.observe(f"agent:{agent_id}", "action", {"sent_ns": entry.sent_ns},
+                        time_ns=entry.at_ns)
+    return history
+
+
+def _judged(agent_id: str, invoked_ns: int, acknowledged_ns: int, session: dict[str, Any],
+            puppet: Puppet) -> Verdict:
+    history = _judged_history(agent_id, invoked_ns, acknowledged_ns, session, puppet)
+    return no_action_after_kill_ack(history, FinalState())
 
 
 @pytest.mark.parametrize(("behaviour", "layer", "title"), [

@@ -243,7 +243,7 @@ async def _handle(orch: Orchestrator, link: DaemonLink, kind: str, payload: dict
         return
     if kind == "kill_ack":
         orch.hub.acknowledge_kill(link.session_id)  # first: the kill's answer waits on it
-        await save_kill_confirmation(orch, link)
+        await save_kill_confirmation(orch, link, _daemon_ns(payload.get("acked_ns")))
         await save_daemon_stop(orch, link, {"stop": "kill", **payload})
         return
     if kind == "stopping":
@@ -319,14 +319,24 @@ async def save_daemon_stop(orch: Orchestrator, link: DaemonLink, payload: dict[s
         link.session_id, stop, None if detail is None else str(detail)[:300])
 
 
-async def save_kill_confirmation(orch: Orchestrator, link: DaemonLink) -> None:
-    """How the kill sent to this daemon was confirmed, on its session; once."""
+async def save_kill_confirmation(orch: Orchestrator, link: DaemonLink,
+                                 acked_ns: int | None = None) -> None:
+    """How the kill sent to this daemon was confirmed, on its session; once. `acked_ns`:
+    when the daemon says it acknowledged, on its own clock (kept only with a `kill_ack`)."""
     if link.kill_sent_ns is None or link.kill_confirmed_ns is None or link.confirmation_saved:
         return
     link.confirmation_saved = True
+    acked = acked_ns if link.kill_confirmed_by == "kill_ack" else None
     await orch.record_kill_confirmation.write(
         link.session_id, _at(link.kill_sent_ns), _at(link.kill_confirmed_ns),
-        link.kill_confirmed_by)
+        link.kill_confirmed_by, None if acked is None else _at(acked))
+
+
+def _daemon_ns(value: Any) -> int | None:
+    """A daemon's wall-clock stamp in ns, or None: a kill_ack is never refused for it."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**63:
+        return value
+    return None
 
 
 def _at(ns: int) -> datetime:

@@ -341,6 +341,9 @@ class SessionOut(BaseModel):
         default=None, description="How that kill was confirmed: the daemon's kill_ack "
         "(obeyed), or only its hang-up after its lease ran out (lease) or without a word "
         "(hang_up)")
+    kill_acked_at: datetime | None = Field(
+        default=None, description="When the daemon acknowledged the kill, on its own clock "
+        "(from its kill_ack; null without one): it sends no model request after this")
 
 
 class NotificationOut(BaseModel):

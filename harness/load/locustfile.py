@@ -10,11 +10,14 @@ inside pytest or an asyncio service.
 
 Operators read and write as people do (agents, backlogs, recordings, new tasks, heartbeat
 fires). Killers pick a working agent, pull its switch and report three request types of
-type `KILL`: kill → acknowledged (the switch's answer), kill → daemon exited (the sandbox's
-exit as the control plane recorded it) and kill → task open (the work back in the backlog);
+type `KILL`: kill → acknowledged (the switch's answer), kill → daemon acked (the daemon's
+own `kill_ack`, on its clock), kill → daemon exited (the sandbox's exit as the control plane
+recorded it) and kill → task open (the work back in the backlog);
 then they resume the agent. A kill fails, as a Locust failure with its reason, when the
-agent's model saw a request after the kill was acknowledged (the puppet's ledger), when the
-daemon did not exit with code 3, or when a part took longer than the bound.
+agent's daemon sent a model request after the kill was acknowledged (the puppet's ledger,
+judged as harness.checkers judges a game day: by the daemon's send stamp, against the
+earlier of the switch's answer and the daemon's own `kill_ack`), when the daemon did not
+exit with code 3, or when a part took longer than the bound.
 """
 
 from __future__ import annotations
@@ -31,8 +34,12 @@ from locust import HttpUser, between, events, task
 from locust.env import Environment
 from locust.runners import MasterRunner
 
+from harness.checkers import kill_acknowledged_at
+from harness.load.kills import LEDGER_MARGIN_NS, daemon_acks, late_requests
+
 KILL = "KILL"
 ACKNOWLEDGED = "kill → acknowledged"
+DAEMON_ACKED = "kill → daemon acked"
 DAEMON_EXITED = "kill → daemon exited"
 TASK_OPEN = "kill → task open"
 HELD = "kill held"  # the whole kill: its failure says which rule broke
@@ -40,7 +47,9 @@ HELD = "kill held"  # the whole kill: its failure says which rule broke
 # agent is not started (a killer holds it), and heartbeat work does not pile up beyond its
 # bound (the operators fire more often than silent agents work it off).
 RULES_KEPT = {"Agent or fleet is stopped", "Too many unfinished heartbeat tasks"}
-POLL_S = 0.02
+# Polling only says when to look (the figures are the control plane's own stamps), but its
+# requests are load too: 50 ms keeps the killer's own traffic small beside the operators'.
+POLL_S = 0.05
 
 
 def _env(name: str, default: str | None = None) -> str:
@@ -118,11 +127,16 @@ class Operator(CoveyUser):
                     r.success()
 
 
+def _pause_s() -> tuple[float, float]:
+    low, _, high = os.environ.get("COVEY_LOAD_KILLER_PAUSE_S", "1.0,2.0").partition(",")
+    return float(low), float(high or low)
+
+
 class Killer(CoveyUser):
     """The on-call engineer pulling one agent's switch, again and again."""
 
     fixed_count = int(os.environ.get("COVEY_LOAD_KILLERS", "1"))
-    wait_time = between(1.0, 2.0)
+    wait_time = between(*_pause_s())
     token_variable = "COVEY_LOAD_KILLER_TOKEN"
 
     def on_start(self) -> None:
@@ -156,8 +170,9 @@ class Killer(CoveyUser):
             return
         sample: dict[str, Any] = {"agent_id": agent["id"], "invoked_ns": invoked_ns,
                                   "acknowledged_ns": acknowledged_ns - invoked_ns,
-                                  "daemon_exited_ns": None, "task_open_ns": None,
-                                  "exit_codes": [], "failure": None}
+                                  "daemon_acked_ns": None, "daemon_exited_ns": None,
+                                  "task_open_ns": None, "exit_codes": [], "failure": None,
+                                  "late_requests": [], "confirmed_by": []}
         try:
             self._fire(ACKNOWLEDGED, sample["acknowledged_ns"])
             exited, opened = self._stopped(path, report["sessions_cancelled"],
@@ -166,16 +181,34 @@ class Killer(CoveyUser):
                           task_open_ns=opened)
             if opened is not None:  # None: the kill found no work in progress
                 self._fire(TASK_OPEN, opened)
-            acted = self._actions_after(agent["id"], acknowledged_ns)
-            if acted:
-                # Which daemons the answer said had the kill in hand tells a daemon that
-                # acted after confirming (a broken switch) from an answer that came first.
+            confirmed = self._confirmed(path, report["sessions_cancelled"])
+            # How each daemon's stop was confirmed: its kill_ack, or a lapsed lease or
+            # hang-up when the kill message came too late (a starved control plane).
+            sample["confirmed_by"] = [s["kill_confirmed_by"] for s in confirmed]
+            acks = daemon_acks(confirmed)
+            if acks:  # the daemon's own clock: when the last of them had the kill in hand
+                sample["daemon_acked_ns"] = max(acks) - invoked_ns
+                self._fire(DAEMON_ACKED, sample["daemon_acked_ns"])
+            acked_ns = kill_acknowledged_at(acknowledged_ns, acks)
+            ledger = self._ledger(agent["id"], acked_ns)
+            late = late_requests(ledger, acked_ns)
+            sample["late_requests"] = late
+            # What judging by the puppet's own stamps would have counted: requests it saw
+            # after the switch's answer (every one of them sent before the acknowledgement
+            # unless it is in `late`).
+            sample["seen_after_answer"] = sum(1 for e in ledger if e["at_ns"] > acknowledged_ns)
+            if late:
                 unconfirmed = set(report["sessions_cancelled"]) - set(
                     report.get("sessions_confirmed", []))
+                last = max(late, key=lambda r: r["made_ns"])
                 raise KillFailed(
-                    f"agent {agent['slug']} made {len(acted)} model request(s) after its kill "
-                    f"was acknowledged, the last {(max(acted) - acknowledged_ns) / 1e6:.1f} ms "
-                    "after (the puppet's clock, as it handled the request); the answer "
+                    f"agent {agent['slug']}'s daemon sent {len(late)} model request(s) after "
+                    f"its kill was acknowledged "
+                    + ("by the daemon" if acked_ns < acknowledged_ns else "by the switch")
+                    + f", the last {(last['made_ns'] - acked_ns) / 1e6:.1f} ms after ("
+                    + ("its send stamp" if last["sent_ns"] is not None
+                       else "no send stamp: when the puppet saw it")
+                    + "); the answer "
                     + (f"had not waited for {len(unconfirmed)} daemon(s)" if unconfirmed
                        else "said every daemon had the kill in hand"))
         except KillFailed as failure:
@@ -234,11 +267,23 @@ class Killer(CoveyUser):
             opened_ns = max(opened_ns or 0, min(reopened) - invoked_ns)
         return (exited_ns, codes), opened_ns
 
-    def _actions_after(self, agent_id: str, acknowledged_ns: int) -> list[int]:
-        r = self.client.get(self.ledger_url, params={"agent": agent_id},
-                            name="puppet ledger")
+    def _confirmed(self, path: str, sessions: list[str]) -> list[dict[str, Any]]:
+        """The cancelled sessions' records once they say how the kill was confirmed, which
+        they do by the time their daemons have hung up (bounded all the same)."""
+        deadline = time.monotonic() + 5.0
+        while True:
+            rows = [s for s in self._json(f"{path}/sessions") if s["id"] in sessions]
+            if all(s["kill_confirmed_by"] for s in rows) or time.monotonic() > deadline:
+                return rows
+            time.sleep(POLL_S)
+
+    def _ledger(self, agent_id: str, acknowledged_ns: int) -> list[dict[str, Any]]:
+        # Only what the puppet saw lately: the read stays small however long the run.
+        r = self.client.get(self.ledger_url, name="puppet ledger", params={
+            "agent": agent_id, "after_ns": str(acknowledged_ns - LEDGER_MARGIN_NS)})
         r.raise_for_status()
-        return [e["at_ns"] for e in r.json() if e["at_ns"] > acknowledged_ns]
+        rows: list[dict[str, Any]] = r.json()
+        return rows
 
     def _json(self, path: str, params: dict[str, str] | None = None) -> list[dict[str, Any]]:
         name = "/api/v1/agents/[id]/" + path.rsplit("/", 1)[-1]

@@ -10,6 +10,7 @@ definition (HDR), not Locust's rounded response-time buckets.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import json
 import os
@@ -28,8 +29,8 @@ from harness.stack import Endpoints
 from harness.waiting import eventually
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
-PARTS = {"acknowledged_ns": "kill → acknowledged", "daemon_exited_ns": "kill → daemon exited",
-         "task_open_ns": "kill → task open"}
+PARTS = {"acknowledged_ns": "kill → acknowledged", "daemon_acked_ns": "kill → daemon acked",
+         "daemon_exited_ns": "kill → daemon exited", "task_open_ns": "kill → task open"}
 # Requests the load makes of something other than the control plane.
 NOT_THE_CONTROL_PLANE = {"puppet ledger"}
 
@@ -41,6 +42,7 @@ class LoadPlan:
     run_time: str  # Locust's syntax: 20s, 2m, 1h30m
     processes: int = 1  # Locust worker processes on this machine (1: no workers)
     killers: int = 1
+    killer_pause_s: tuple[float, float] = (1.0, 2.0)  # between one kill and the next
     kill_bound_ms: float = 5000.0  # a kill whose daemon exits later than this failed
     max_kill_p99_ms: float | None = None  # the gate on kill → daemon exited
     master_workers: int = 0  # > 0: wait for this many `locust --worker`s from elsewhere
@@ -161,6 +163,11 @@ async def run_load(endpoints: Endpoints, fleet: Fleet, plan: LoadPlan, report_di
             os.killpg(locust.pid, signal.SIGTERM)
             await locust.wait()
             raise
+        # A `--processes` master can end while its workers run on: they gave up on it only
+        # after 60 s without its heartbeat, loading the next run meanwhile. Nothing of a
+        # run outlives it.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(locust.pid, signal.SIGTERM)
     finally:
         out.close()
     return await asyncio.to_thread(finish, plan, files, code)
@@ -192,6 +199,7 @@ def load_environment(fleet: Fleet, plan: LoadPlan) -> dict[str, str]:
             "COVEY_LOAD_PUPPET_URL": fleet.ledger_url,
             "COVEY_LOAD_AGENT_PREFIX": fleet.prefix,
             "COVEY_LOAD_KILLERS": str(plan.killers),
+            "COVEY_LOAD_KILLER_PAUSE_S": ",".join(str(s) for s in plan.killer_pause_s),
             "COVEY_LOAD_KILL_BOUND_MS": str(plan.kill_bound_ms)}
 
 

@@ -59,9 +59,13 @@ class GameDay:
         return self.operation("operator:owner", "resume_agent", {"agent_id": agent_id},
                               invoked_ms, acked_ms)
 
-    def action(self, agent_id: str, at_ms: float, tool: str = "shell") -> Event:
-        return self.history.observe(f"agent:{agent_id}", "action", {"tool": tool},
-                                    time_ns=int(at_ms * MS))
+    def action(self, agent_id: str, at_ms: float, tool: str = "shell",
+               sent_ms: float | None = None) -> Event:
+        """A model request the puppet saw at `at_ms`, sent by its daemon at `sent_ms` (None:
+        the request carried no send stamp)."""
+        return self.history.observe(f"agent:{agent_id}", "action", {
+            "tool": tool, "sent_ns": None if sent_ms is None else int(sent_ms * MS)},
+            time_ns=int(at_ms * MS))
 
     def task(self, task_id: str, agent_id: str, state: str, at_ms: float) -> Event:
         return self.history.observe("observer", "task_state",
@@ -70,13 +74,15 @@ class GameDay:
 
     def delivery(self, agent_id: str, session_id: str, sent_ms: float,
                  confirmed_ms: float | None, by: str | None = "kill_ack",
-                 daemon_stop: str | None = "kill") -> Event:
+                 daemon_stop: str | None = "kill", acked_ms: float | None = None) -> Event:
         """A kill message sent to a daemon and its confirmation, as read back from the
-        session record."""
+        session record; `acked_ms`: when the daemon says it acknowledged (its own clock)."""
         return self.history.observe("observer", "kill_delivery", {
             "agent_id": agent_id, "session_id": session_id, "sent_ns": int(sent_ms * MS),
             "confirmed_ns": None if confirmed_ms is None else int(confirmed_ms * MS),
-            "confirmed_by": by, "daemon_stop": daemon_stop}, time_ns=int(sent_ms * MS))
+            "confirmed_by": by, "daemon_stop": daemon_stop,
+            "acked_ns": None if acked_ms is None else int(acked_ms * MS)},
+            time_ns=int(sent_ms * MS))
 
     def seen(self, f: str, agent_id: str, at_ms: float, **value: Any) -> Event:
         return self.history.observe("observer", f, {"agent_id": agent_id, **value},

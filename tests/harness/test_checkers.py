@@ -37,9 +37,12 @@ def test_an_action_after_the_fleet_kill_ack_is_caught() -> None:
     verdict = no_action_after_kill_ack(day.history, final)
     assert verdict.valid is False
     ack = day.history.select(f="kill_fleet", type="ok")[0]
-    assert verdict.evidence == tuple(sorted((ack.index, late.index)))
+    # a2's daemon acknowledged at 115 ms, before the switch answered at 120 ms.
+    delivery = day.history.select(f="kill_delivery", agent_id="a2")[0]
+    assert verdict.evidence == tuple(sorted((ack.index, delivery.index, late.index)))
     assert "agent a2 acted 1 time after the kill_fleet acknowledged" in verdict.message
-    assert "60.0 ms after" in verdict.message
+    assert "65.0 ms after it was acknowledged by its daemon" in verdict.message
+    assert "as the model saw them (no send stamp)" in verdict.message
 
 
 def test_an_action_after_an_agent_kill_ack_is_caught_only_for_that_agent() -> None:
@@ -101,6 +104,73 @@ def test_a_kill_with_unknown_outcome_holds_nobody_to_it() -> None:
     verdict = no_action_after_kill_ack(day.history, FinalState())
     assert verdict.valid == "unknown"
     assert "No kill was acknowledged" in verdict.message
+
+
+def test_a_request_sent_before_the_ack_and_seen_after_it_is_no_action_after_the_kill() -> None:
+    # The puppet, busy, handled it 40 ms after the kill's answer; its daemon sent it before
+    # it had the kill in hand.
+    day = GameDay()
+    day.kill_agent("a1", 100, 110)
+    day.delivery("a1", "s1", 101, 104, acked_ms=103)
+    day.action("a1", 150, sent_ms=102)
+    verdict = no_action_after_kill_ack(day.history, FinalState())
+    assert verdict.valid is True, verdict.message
+
+
+def test_a_request_sent_after_the_daemon_acked_is_caught_before_the_switch_answered() -> None:
+    # The daemon said it had stopped at 103 and asked its model at 105: the switch's answer
+    # (110) came later, but the daemon had broken its word already.
+    day = GameDay()
+    _, ack = day.kill_agent("a1", 100, 110)
+    delivery = day.delivery("a1", "s1", 101, 104, acked_ms=103)
+    late = day.action("a1", 107, sent_ms=105)
+    verdict = no_action_after_kill_ack(day.history, FinalState())
+    assert verdict.valid is False
+    assert verdict.evidence == tuple(sorted((ack.index, delivery.index, late.index)))
+    assert "2.0 ms after it was acknowledged by its daemon" in verdict.message, verdict.message
+    assert "by its daemon's send stamps" in verdict.message
+
+
+def test_without_the_daemons_own_ack_time_the_control_planes_reading_of_it_counts() -> None:
+    day = GameDay()
+    day.kill_agent("a1", 100, 110)
+    day.delivery("a1", "s1", 101, 104)  # an older daemon: no acked_ns in its kill_ack
+    day.action("a1", 108, sent_ms=106)
+    verdict = no_action_after_kill_ack(day.history, FinalState())
+    assert verdict.valid is False
+    assert "2.0 ms after it was acknowledged by its daemon" in verdict.message, verdict.message
+
+
+def test_a_request_without_a_send_stamp_counts_from_when_the_model_saw_it() -> None:
+    # Fail closed: it may have been sent as late as it was seen.
+    day = GameDay()
+    day.kill_agent("a1", 100, 110)
+    day.delivery("a1", "s1", 101, 104, acked_ms=103)
+    day.action("a1", 102, sent_ms=None)  # seen before the ack: certainly before
+    late = day.action("a1", 150, sent_ms=None)
+    verdict = no_action_after_kill_ack(day.history, FinalState())
+    assert verdict.valid is False
+    assert late.index in verdict.evidence
+    assert "as the model saw them (no send stamp)" in verdict.message, verdict.message
+    clean = GameDay()
+    clean.kill_agent("a1", 100, 110)
+    clean.action("a1", 102, sent_ms=None)
+    passed = no_action_after_kill_ack(clean.history, FinalState())
+    assert passed.valid is True
+    assert "1 action carried no send stamp" in passed.message, passed.message
+
+
+def test_a_daemons_ack_of_an_earlier_kill_does_not_move_a_later_ones() -> None:
+    day = GameDay()
+    day.kill_agent("a1", 100, 110)
+    day.delivery("a1", "s1", 101, 104, acked_ms=103)
+    day.resume_agent("a1", 200, 205)
+    day.action("a1", 260, sent_ms=250)  # the next session, before the second kill
+    day.kill_agent("a1", 300, 310)  # nothing running: no daemon to acknowledge it
+    verdict = no_action_after_kill_ack(day.history, FinalState())
+    assert verdict.valid is True, verdict.message
+    late = day.action("a1", 330, sent_ms=320)
+    assert no_action_after_kill_ack(day.history, FinalState()).evidence[-1] == late.index
 
 
 # ---------------------------------------------------------------- in progress requeued

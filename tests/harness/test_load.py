@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from harness.load.kills import acknowledged_at, late_requests
 from harness.load.runner import LoadPlan, judge, run_seconds
 
 MS = 1_000_000
@@ -69,6 +70,40 @@ def test_no_kill_or_failed_requests_is_no_pass() -> None:
     assert "Locust wrote no statistics" in judge(PLAN, [kill()], [], 0).problems[-1]
 
 
+def session(acked_at: str | None, confirmed_at: str, by: str = "kill_ack") -> dict[str, Any]:
+    return {"kill_acked_at": acked_at, "kill_confirmed_at": confirmed_at,
+            "kill_confirmed_by": by}
+
+
+T0 = "2026-12-01T18:00:00.100000+00:00"  # the daemon's own kill_ack
+T1 = "2026-12-01T18:00:00.104000+00:00"  # the control plane read it
+NS0 = 1_796_148_000_100_000_000  # T0 in ns
+
+
+def test_the_killer_counts_a_request_from_its_send_stamp_against_the_daemons_own_ack() -> None:
+    answer_ns = NS0 + 20 * MS  # the switch answered 20 ms after the daemon acked
+    acked = acknowledged_at(answer_ns, [session(T0, T1)])
+    assert acked == pytest.approx(NS0, abs=1000)  # ns from µs timestamps, through a float
+    # Seen by a busy puppet after the answer, sent before the ack: no action after the kill.
+    before = {"at_ns": answer_ns + 50 * MS, "sent_ns": NS0 - 1 * MS}
+    # Sent after the daemon said it had stopped, though before the switch answered.
+    after = {"at_ns": NS0 + 6 * MS, "sent_ns": NS0 + 5 * MS}
+    assert late_requests([before, after], acked) == [
+        {"made_ns": NS0 + 5 * MS, "sent_ns": NS0 + 5 * MS, "received_ns": NS0 + 6 * MS}]
+
+
+def test_the_killer_fails_closed_without_a_stamp_or_a_kill_ack() -> None:
+    answer_ns = NS0 + 20 * MS
+    # No daemon ack time of its own: the control plane's reading of the kill_ack.
+    assert acknowledged_at(answer_ns, [session(None, T1)]) == pytest.approx(NS0 + 4 * MS,
+                                                                             abs=1000)
+    # A hang-up is no acknowledgement by the daemon: the switch's answer counts.
+    assert acknowledged_at(answer_ns, [session(None, T1, by="lease")]) == answer_ns
+    # A request with no send stamp counts from when the puppet saw it.
+    unstamped = {"at_ns": answer_ns + 1 * MS, "sent_ns": None}
+    assert [r["made_ns"] for r in late_requests([unstamped], answer_ns)] == [answer_ns + MS]
+
+
 @pytest.mark.parametrize(("text", "seconds"), [("20s", 20), ("2m", 120), ("1h30m", 5400),
                                                ("90", 90)])
 def test_run_times_read_as_locust_reads_them(text: str, seconds: float) -> None:
@@ -98,8 +133,8 @@ def test_a_short_headless_load_run_passes_and_writes_its_reports(tmp_path: Path)
     run, summary = gameday_load(tmp_path)
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-3000:]}"
     assert summary["passed"] and summary["kills"] >= 1 and not summary["failed_kills"]
-    assert set(summary["parts_us"]) == {"kill → acknowledged", "kill → daemon exited",
-                                        "kill → task open"}
+    assert set(summary["parts_us"]) == {"kill → acknowledged", "kill → daemon acked",
+                                        "kill → daemon exited", "kill → task open"}
     assert summary["requests"] > 0 and summary["request_failures"] == 0
     for kind in ("csv", "html"):
         assert Path(summary["files"][kind]).stat().st_size > 0, kind
