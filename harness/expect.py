@@ -146,3 +146,14 @@ class Expect:
         rule(at_work >= with_work, f"the fleet resume did not wake at once every agent with "
              f"open work: {sorted(with_work - at_work)}")
         return woken
+
+    async def work_done_after_fleet_resume(self, security: Operator,
+                                           agents: Iterable[dict[str, Any]]
+                                           ) -> dict[str, dict[str, Any]]:
+        """The incident is over: the agents behave, the fleet resumes, and every task of the
+        game day ends done. Returns the tasks."""
+        for a in agents:
+            await self.day.endpoints.puppet.assign(a["id"], "well_behaved")
+        r = await security.resume_fleet()
+        rule(r.status_code == 200, f"the fleet resume was refused: {r.status_code} {r.text}")
+        return await self.day.until.all_tasks_done()

@@ -74,10 +74,7 @@ async def test_control_channel_cut(gameday: GameDay, agents_per_game_day: int) -
         assert not in_progress, f"the fleet stop left tasks in progress: {in_progress}"
 
         # End the game day: behave, resume the fleet, and every task ends done once.
-        for a in agents:
-            await day.endpoints.puppet.assign(a["id"], "well_behaved")
-        assert (await security.resume_fleet()).status_code == 200, "the fleet resume failed"
-        await day.until.all_tasks_done()
+        await day.expect.work_done_after_fleet_resume(security, agents)
 
         final = await day.judged(outcome)
         assert_valid(outcome.verdicts, day.required)

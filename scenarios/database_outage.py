@@ -87,7 +87,4 @@ async def test_database_outage(gameday: GameDay, outage: str,
                        if t["state"] == "in_progress"]
         assert not in_progress, f"the fleet stop left tasks in progress: {in_progress}"
 
-        for a in agents:
-            await day.endpoints.puppet.assign(a["id"], "well_behaved")
-        assert (await security.resume_fleet()).status_code == 200, "the fleet resume failed"
-        await day.until.all_tasks_done()
+        await day.expect.work_done_after_fleet_resume(security, agents)
