@@ -37,14 +37,9 @@ async def test_fleet_stop_from_the_page(gameday: GameDay, agents_per_game_day: i
         for a in agents:
             await day.task(a["id"])
 
-        async def working() -> bool:
-            held = {t["agent_id"] for t in (await day.read_tasks()).values()
-                    if t["state"] == "in_progress"}
-            # The agents that never stop on their own are at work (a slow writer may already
-            # be done when the last container starts).
-            return all(a["id"] in held for a in agents if a["behaviour"] == "silent")
-        await eventually(working, 120, "no steady state: agents not working",
-                         impossible=day.why_work_cannot_finish)
+        # The agents that never stop on their own are at work (a slow writer may already be
+        # done when the last container starts).
+        await day.until.all_working([a for a in agents if a["behaviour"] == "silent"])
         with chromium() as page:
             page.implicitly_wait(10)
             await asyncio.to_thread(sign_in, page, day.endpoints.url, email, password)
@@ -68,11 +63,8 @@ async def test_fleet_stop_from_the_page(gameday: GameDay, agents_per_game_day: i
             assert json_of(r)["fleet_killed"], "the red button did not stop the fleet"
             await day.read_tasks()  # right after the kill's ok: what it requeued
 
-            async def all_gone() -> list[dict[str, Any]] | None:
-                boxes = [s for a in agents for s in await day.sandboxes(a["id"])]
-                live = [s for s in boxes if s["state"] in ("starting", "running")]
-                return None if live else boxes
-            boxes = await eventually(all_gone, 60, "a sandbox kept running after the stop")
+            await day.until.all_sandboxes_gone(agents)
+            boxes = [s for a in agents for s in await day.sandboxes(a["id"])]
             exits = [datetime.fromisoformat(s["daemon_exited_at"]).timestamp() * 1e9
                      for s in boxes if s["daemon_exited_at"] and s["exit_code"] == 3]
             assert exits, "no daemon exited with code 3 after the red button"
@@ -86,7 +78,4 @@ async def test_fleet_stop_from_the_page(gameday: GameDay, agents_per_game_day: i
                                   lambda: on_the_page(click, "fleet-resume"))
             assert not json_of(r)["fleet_killed"], "resume from the page left the fleet stopped"
 
-        async def all_done() -> bool:
-            return all(t["state"] == "done" for t in (await day.read_tasks()).values())
-        await eventually(all_done, 120, "tasks left undone after the resume from the page",
-                         impossible=day.why_work_cannot_finish)
+        await day.until.all_tasks_done()
