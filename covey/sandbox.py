@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import os
 import shutil
@@ -105,6 +106,14 @@ def processes_marked(markers: frozenset[bytes]) -> dict[bytes, list[int]]:
             if variable in markers:
                 found.setdefault(variable, []).append(int(entry))
     return found
+
+
+def _kill_marked(sandbox_id: UUID) -> None:
+    """SIGKILL whatever still carries a sandbox's marker (one pass: a previous life's)."""
+    marker = f"COVEY_SANDBOX_ID={sandbox_id}".encode()
+    for pid in processes_marked(frozenset([marker])).get(marker, []):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 class ProcessTable:
@@ -452,14 +461,19 @@ class Runner:
         container) and record them gone, or their rows would say `running` for ever."""
         host_port = self.node.rsplit(":", 1)[0]
         await asyncio.sleep(lease_s)
-        orphans = await self._pool.fetch(
-            "SELECT id, handle FROM sandboxes WHERE state IN ('starting','running','parked')"
-            " AND node LIKE $1 || ':%' AND node <> $2", host_port, self.node)
+        # Also those a kill evicted just before the crash: their teardown died with it.
+        orphans = await through_outage(lambda: self._pool.fetch(
+            "SELECT id, handle FROM sandboxes WHERE node LIKE $1 || ':%' AND node <> $2"
+            " AND (state IN ('starting','running','parked')"
+            " OR (state='evicted' AND gone_at IS NULL))", host_port, self.node),
+            "a previous life's sandboxes")
         for row in orphans:
             if row["handle"] and self.backend == "docker":
-                await self._provider.destroy(row["handle"])
-            # Gone by now at the latest: its daemon's lease has run out.
-            await self._record_gone.write(row["id"], _at(time.time_ns()))
+                await self._provider.remove(row["handle"])  # killed and removed
+            else:  # by the marker every process of it inherits, never by an old pid
+                await asyncio.to_thread(_kill_marked, row["id"])
+            await through_outage(functools.partial(
+                self._record_gone.write, row["id"], _at(time.time_ns())), "sandbox gone")
         if orphans:
             log.warning("sandboxes of a previous life settled", count=len(orphans))
 

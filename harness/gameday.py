@@ -351,7 +351,8 @@ class GameDay:
                 ended = _ns(box["gone_at"] if "gone_at" in box else box.get("ended_at"))
                 self.history.observe(OBSERVER, SANDBOX_F, {
                     "agent_id": agent_id, "sandbox_id": box["id"], "state": box["state"],
-                    "created_ns": _ns(box["created_at"]), "ended_ns": ended})
+                    "created_ns": _ns(box["created_at"]), "ended_ns": ended,
+                    "daemon_exited_ns": _ns(box.get("daemon_exited_at"))})
                 for f, value, at_ns in sandbox_observations(box):
                     self.history.observe(f"agent:{agent_id}", f, value, time_ns=at_ns)
             sessions = json_of(await self.people["auditor"].sessions(agent_id))

@@ -6,8 +6,9 @@ verdict points at the events that prove it, and `unknown` is never a pass.
 
 What they read beside harness/checkers.py's events:
 * `lease` (`{"lease_ms"}`): the kill-flag lease the stack's daemons hold;
-* `sandbox` (`{"agent_id", "sandbox_id", "state", "created_ns", "ended_ns"}`): one sandbox's
-  life as the control plane recorded it (`ended_ns` None: not over when read);
+* `sandbox` (`{"agent_id", "sandbox_id", "state", "created_ns", "ended_ns",
+  "daemon_exited_ns"}`): one sandbox's life as the control plane recorded it (`ended_ns`:
+  when it was gone, None while not; `daemon_exited_ns`: when its daemon exited);
 * `kill_delivery` with `sandbox_id`: the session's sandbox, to find when its daemon ended;
 * `resume_fleet` completions with `body.agents_woken`, and the wake paths' operations
   (`wake`, `fire_heartbeat`, `trigger`) with their `status`;
@@ -134,7 +135,9 @@ def kill_confirmed_within_lease(history: History, final: FinalState) -> Verdict:
     if not kills:
         return Verdict(name, "unknown", "No kill was acknowledged in this game day.")
     bound = lease + KILL_CONFIRM_MARGIN_NS
-    ended = {str(e.value["sandbox_id"]): e.value.get("ended_ns")
+    # The daemon ended when it exited; the sandbox's removal after that is no part of it
+    # (a deployment that does not record the exit says when the sandbox ended).
+    ended = {str(e.value["sandbox_id"]): e.value.get("daemon_exited_ns", e.value.get("ended_ns"))
              for e in history.select(f=SANDBOX_F) if e.value.get("sandbox_id")}
     lines: list[str] = []
     evidence: set[int] = set()

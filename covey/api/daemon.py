@@ -17,6 +17,7 @@ import structlog
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from starlette.websockets import WebSocketDisconnected, WebSocketState
 
+from covey.db import through_outage
 from covey.hub import DaemonLink, send_to
 from covey.orchestrator import LAYER_NAMES, GuardTripReport, Orchestrator, record
 from covey.security import token_hash
@@ -325,11 +326,13 @@ async def save_kill_confirmation(orch: Orchestrator, link: DaemonLink,
     when the daemon says it acknowledged, on its own clock (kept only with a `kill_ack`)."""
     if link.kill_sent_ns is None or link.kill_confirmed_ns is None or link.confirmation_saved:
         return
-    link.confirmation_saved = True
     acked = acked_ns if link.kill_confirmed_by == "kill_ack" else None
-    await orch.record_kill_confirmation.write(
-        link.session_id, _at(link.kill_sent_ns), _at(link.kill_confirmed_ns),
-        link.kill_confirmed_by, None if acked is None else _at(acked))
+    # Saved only once written: a write lost to a database outage is tried again, and again
+    # when the daemon hangs up (the session's kill evidence must not be lost with it).
+    await through_outage(lambda: orch.record_kill_confirmation.write(
+        link.session_id, _at(link.kill_sent_ns or 0), _at(link.kill_confirmed_ns or 0),
+        link.kill_confirmed_by, None if acked is None else _at(acked)), "kill confirmation")
+    link.confirmation_saved = True
 
 
 def _daemon_ns(value: Any) -> int | None:

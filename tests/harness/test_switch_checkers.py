@@ -86,11 +86,13 @@ def _leased() -> GameDay:
 
 
 def _box(day: GameDay, sandbox: str, created_ms: float, ended_ms: float | None,
-         agent: str = "a1") -> None:
+         agent: str = "a1", exited_ms: float | None = None) -> None:
     day.history.observe("observer", "sandbox", {
         "agent_id": agent, "sandbox_id": sandbox, "state": "gone" if ended_ms else "running",
         "created_ns": int(created_ms * MS),
-        "ended_ns": None if ended_ms is None else int(ended_ms * MS)}, time_ns=0)
+        "ended_ns": None if ended_ms is None else int(ended_ms * MS),
+        **({} if exited_ms is None else {"daemon_exited_ns": int(exited_ms * MS)})},
+        time_ns=0)
 
 
 def test_kills_answered_and_confirmed_within_the_lease_pass() -> None:
@@ -116,6 +118,21 @@ def test_a_kill_answered_after_the_lease_and_a_daemon_never_ending_are_caught() 
     assert verdict.evidence == (late.index, deaf.index)
     assert "answered after 3510.0 ms" in verdict.message
     assert "never confirmed the kill nor ended" in verdict.message
+
+
+def test_a_daemon_ends_when_it_exits_not_when_its_sandbox_is_removed() -> None:
+    """A daemon that exited within the lease, its sandbox's removal slow or failed: the
+    daemon ended in time. Judged by the sandbox's end alone, it would fail."""
+    for gone_ms in (1010 + LEASE_MS + KILL_CONFIRM_MARGIN_NS / MS + 5000, None):
+        day = _leased()
+        day.kill_fleet(1000, 1100)
+        day.history.observe("observer", "kill_delivery", {
+            "agent_id": "a1", "session_id": "s2", "sandbox_id": "b2", "sent_ns": 1010 * MS,
+            "confirmed_ns": None, "confirmed_by": None, "daemon_stop": None},
+            time_ns=1010 * MS)
+        _box(day, "b2", 500, gone_ms, exited_ms=1010 + LEASE_MS)
+        verdict = kill_confirmed_within_lease(day.history, FinalState())
+        assert verdict.valid is True, verdict.message
 
 
 def test_without_the_lease_the_kill_bound_is_undecided() -> None:
