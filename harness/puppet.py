@@ -24,8 +24,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from covey.coveyd import SENT_AT_HEADER
 from harness import scripts
+
+# The header coveyd stamps each model request with: when it sent it (ns, CLOCK_REALTIME).
+# Spelt out, not imported: the harness knows covey only by its wire protocol.
+SENT_AT_HEADER = "X-Covey-Sent-At-Ns"
 
 # USD per million tokens in coveyd's price table for the model "puppet": (1.0, 2.0).
 Reply = dict[str, Any]

@@ -89,3 +89,10 @@ def test_the_harness_reaches_covey_only_from_outside() -> None:
                         for n in names if n.split(".")[0] == "covey"]
     assert len(list(harness_dir.rglob("*.py"))) > 20
     assert not imports, f"the harness imports the control plane: {imports}"
+
+
+def test_the_wire_names_the_harness_spells_out_are_covey_s() -> None:
+    from covey.coveyd import SENT_AT_HEADER
+    from harness.puppet import SENT_AT_HEADER as PUPPET_READS
+
+    assert PUPPET_READS == SENT_AT_HEADER, "the puppet reads another send-time header"
