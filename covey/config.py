@@ -53,6 +53,8 @@ class Settings:
     warm_sync_s: int = 300
     warm_idle_s: int = 900
     log_level: str = "INFO"
+    # "auto": the process sandboxes share one CPU cgroup where one can be made (covey/cpu_group.py).
+    sandbox_cpu_group: str = "auto"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -73,6 +75,9 @@ class Settings:
         if log_level not in LOG_LEVELS:
             raise ConfigError(f"COVEY_LOG_LEVEL={env['COVEY_LOG_LEVEL']!r}: use one of "
                               f"{', '.join(level.lower() for level in LOG_LEVELS)}")
+        cpu_group = env.get("COVEY_SANDBOX_CPU_GROUP", "auto")
+        if cpu_group not in ("auto", "off"):
+            raise ConfigError(f"COVEY_SANDBOX_CPU_GROUP={cpu_group!r}: use 'auto' or 'off'")
         return cls(
             database_url=env.get("DATABASE_URL") or None,
             data_dir=Path(env.get("COVEY_DATA_DIR", ".covey")).absolute(),
@@ -93,4 +98,5 @@ class Settings:
             warm_sync_s=_int_env(env, "COVEY_WARM_SYNC_S", 300, 1),
             warm_idle_s=_int_env(env, "COVEY_WARM_IDLE_S", 900, 1),
             log_level=log_level,
+            sandbox_cpu_group=cpu_group,
         )
