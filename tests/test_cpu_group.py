@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from covey.config import ConfigError, Settings
 from covey.cpu_group import PREFIX, make_cpu_group, own_cgroup, sweep
 from covey.sandbox import ProcessProvider, SandboxSpec
 from harness.waiting import eventually
@@ -92,3 +93,9 @@ async def test_a_sandbox_and_its_children_share_the_plane_s_cpu_group(tmp_path: 
     await eventually(emptied, 10, "killed sandboxes stayed in the CPU group")
     await provider.close()
     assert not group.path.exists(), "the plane's sandbox CPU group outlived its plane"
+
+
+def test_a_setting_other_than_auto_or_off_is_refused_with_the_choices() -> None:
+    with pytest.raises(ConfigError, match="use 'auto' or 'off'"):
+        Settings.from_env({"COVEY_SANDBOX_CPU_GROUP": "yes"})
+    assert Settings.from_env({}).sandbox_cpu_group == "auto"
