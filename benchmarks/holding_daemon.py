@@ -20,6 +20,8 @@ from pathlib import Path
 
 import websockets
 
+from covey.coveyd import step_aside
+
 EXIT_KILLED = 3
 
 
@@ -42,6 +44,7 @@ async def main() -> int:
                 await ws.send(json.dumps({"type": "kill_ack", "payload": {
                     "stop": "kill", "exit_code": EXIT_KILLED, "detail": "reason kill-switch"}}))
                 ws.transport.abort()
+                step_aside()
                 os._exit(EXIT_KILLED)
             if kind == "sleep":
                 return 0

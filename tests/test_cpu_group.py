@@ -4,6 +4,7 @@ sandboxes landing in the group when the host lets the plane make one."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from covey.config import ConfigError, Settings
+from covey.coveyd import STEP_ASIDE_NICE
 from covey.cpu_group import PREFIX, make_cpu_group, own_cgroup, sweep
 from covey.sandbox import ProcessProvider, SandboxSpec
 from harness.waiting import eventually
@@ -99,3 +101,13 @@ def test_a_setting_other_than_auto_or_off_is_refused_with_the_choices() -> None:
     with pytest.raises(ConfigError, match="use 'auto' or 'off'"):
         Settings.from_env({"COVEY_SANDBOX_CPU_GROUP": "yes"})
     assert Settings.from_env({}).sandbox_cpu_group == "auto"
+
+
+def test_a_daemon_whose_kill_is_confirmed_steps_aside_for_the_others() -> None:
+    # In its own process: a nice value cannot be raised back.
+    probe = "import os; from covey.coveyd import step_aside; step_aside(); print(os.nice(0))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert int(done.stdout) >= STEP_ASIDE_NICE, \
+        f"a killed daemon exits at nice {done.stdout.strip()}, not below the sandboxes " \
+        "still to read their kill"
