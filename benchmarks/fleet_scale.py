@@ -43,11 +43,9 @@ import httpx
 from benchmarks.stack import (
     REPO,
     BenchmarkError,
-    BenchOrg,
     RawHttp,
     ServedPlane,
     bench_database,
-    create_org,
     host_cpu_busy_s,
     kill_stage_totals,
     load_average,
@@ -61,6 +59,7 @@ from benchmarks.stack import (
     until,
 )
 from covey.logs import configure as configure_logs
+from covey.testing.plane import OrgTokens, create_org
 
 DAEMON = [sys.executable, str(Path(__file__).with_name("holding_daemon.py"))]
 # Private memory of one daemon on this machine (an interpreter with websockets): about 13 MiB.
@@ -106,12 +105,12 @@ class Report:
 
 @dataclass(frozen=True)
 class Fleet:
-    org: BenchOrg
+    org: OrgTokens
     agent_ids: list[uuid.UUID]
     task_ids: list[uuid.UUID]
 
 
-async def start_fleet(plane: ServedPlane, db: asyncpg.Pool, org: BenchOrg, size: int,
+async def start_fleet(plane: ServedPlane, db: asyncpg.Pool, org: OrgTokens, size: int,
                       batch: int, timeout: float) -> Fleet:
     """`size` agents with a hold task each, created through the API `batch` at a time; each
     batch is working before the next one starts (a thousand interpreters starting at once

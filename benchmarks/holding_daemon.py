@@ -1,8 +1,8 @@
 """The benchmarks' sandbox daemon: speaks the real protocol over a real WebSocket, started
 by the real `process` sandbox backend, holds the task it is given until it is killed, and on
 `kill` confirms it (`kill_ack`), hangs up and exits 3 at once, without the interpreter's
-teardown, as covey/coveyd.py does (and tests/support/scripted_daemon.py with
-SCRIPTED_DAEMON_PLAIN_KILL=1; benchmarks do not import tests/).
+teardown, as covey/coveyd.py does (and covey/testing/scripted_daemon.py with
+SCRIPTED_DAEMON_PLAIN_KILL=1, which writes down every message it sends and receives).
 
 It writes down one thing: the wall-clock ns at which it read its `kill`, in
 $HOME/kill_received (the sandbox's work folder, kept by the runner as evidence), so that the
