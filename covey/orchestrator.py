@@ -44,6 +44,9 @@ LIVE = ("starting", "running")
 # while it already has this many heartbeat tasks unfinished.
 HEARTBEAT_MIN_S = 60
 MAX_OPEN_HEARTBEAT_TASKS = 10
+# Work left in progress under a session that is over is requeued once the session has been
+# over this long (or two leases, if longer): see `requeue_orphaned_work`.
+ORPHAN_GRACE_MIN_S = 5.0
 
 # The one definition of "this agent may run" (agents as a, organisations as o): its own flag,
 # its organisation's, and the control plane's global flag. Every wake path, every claim and
@@ -1012,6 +1015,7 @@ class Orchestrator:
         )
         for s in stale:
             await self.session_lost(s["id"], "daemon silent past its timeout")
+        await self.requeue_orphaned_work()
         waiting = await self.pool.fetch(
             f"""
             SELECT DISTINCT a.id FROM agents a
@@ -1027,6 +1031,26 @@ class Orchestrator:
             await self.wake_many(sorted(ids), "tick")
         if self.runner is not None:
             await self.runner.maintain_parked(self.tell_idle_to_sleep)
+
+    async def requeue_orphaned_work(self) -> list[UUID]:
+        """Put back to open the tasks still in progress under a session that is over.
+
+        A kill commits its flag with the sessions cancelled, then requeues their work in a
+        second transaction. A game day SIGKILLed the control plane between the two, in the
+        middle of a fleet kill: the tasks stayed `in_progress` for good, claimed by
+        cancelled sessions, which no daemon loss or later kill would ever touch again (the
+        same happens when the database goes away between them). The grace keeps this sweep
+        from racing a kill whose requeue is simply on its way."""
+        grace_s = max(ORPHAN_GRACE_MIN_S, 2 * self.settings.lease_ms / 1000)
+        async with self.pool.acquire() as conn:
+            requeued = await requeue_in_progress(
+                conn, "EXISTS (SELECT 1 FROM sessions s WHERE s.id=t.claimed_by"
+                      " AND s.state NOT IN ('starting','running')"
+                      " AND s.ended_at < now() - make_interval(secs => $1))",
+                [grace_s], "requeued: its session was over without it")
+        if requeued:
+            log.warning("work of ended sessions requeued", tasks=len(requeued))
+        return requeued
 
     async def renew_leases(self, session_ids: list[UUID] | None = None) -> None:
         """Renew the lease of every daemon connected here (or of these) whose agent may
