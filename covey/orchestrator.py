@@ -696,7 +696,8 @@ class Orchestrator:
             changed = not row["was_killed"] or row["was_origin"] != origin
             report = KillReport(already_killed=bool(row["was_killed"]), agents=[agent_id])
             evicted = await self._stop_sessions(conn, "agent", live,
-                                                [agent_id] if changed else [], started, report)
+                                                [agent_id] if changed else [], started, report,
+                                                held=("SELECT $1::uuid", [agent_id]))
         await self._await_stopped(live, evicted, report)
         metrics.kills.labels("agent", "already" if report.already_killed else "killed").inc()
         return report
@@ -742,7 +743,9 @@ class Orchestrator:
         async with self.pool.acquire() as conn:  # one connection, as in kill_agent
             was, agents, live = await self._switch(conn, flag, "fleet", started)
             report = KillReport(already_killed=was, agents=agents)
-            evicted = await self._stop_sessions(conn, "fleet", live, agents, started, report)
+            evicted = await self._stop_sessions(
+                conn, "fleet", live, agents, started, report,
+                held=("SELECT id FROM agents WHERE org_id=$1", [org_id]))
         await self._await_stopped(live, evicted, report)
         metrics.kills.labels("fleet", "already" if was else "killed").inc()
         return report
@@ -770,14 +773,19 @@ class Orchestrator:
         return list(live)
 
     async def _stop_sessions(self, conn: Connection, scope: str, live: list[asyncpg.Record],
-                             agents: list[UUID], started: float, report: KillReport
+                             agents: list[UUID], started: float, report: KillReport,
+                             held: tuple[str, list[Any]] | None = None
                              ) -> list[asyncpg.Record]:
         """After the flag is committed (with the sessions cancelled): kill messages, evict
         warm sandboxes, requeue in-progress work, record. In that order (DESIGN §2.3 line 1).
         `agents` are those whose flag this kill set; with the agents of live sessions, they
-        are the ones it touches (a repeated kill touches none). Returns the evicted
-        sandboxes. `conn` is the flag's connection: a few statements on it, whatever the
-        fleet's size."""
+        are the ones it touches (a repeated kill touches none, and records nothing). `held`
+        (a query of agent ids, its arguments) are all the agents the flag now stops: their
+        parked sandboxes are evicted and their work requeued even on a repeated kill, which
+        must finish what an earlier one cut short (its control plane SIGKILLed, its database
+        gone, between its flag and this step: the retry its 503 asks for answered 200 and left
+        the work in progress). Returns the evicted sandboxes. `conn` is the flag's
+        connection: a few statements on it, whatever the fleet's size."""
         session_ids = [s["id"] for s in live]
         delivered = await asyncio.gather(*(self.hub.send_kill(s) for s in session_ids))
         report.kill_delivered = [s for s, ok in zip(session_ids, delivered, strict=True) if ok]
@@ -786,20 +794,24 @@ class Orchestrator:
         touched = sorted({*agents, *(s["agent_id"] for s in live)})
         evicted: list[asyncpg.Record] = []
 
+        among, among_args = held or ("SELECT unnest($1::uuid[])", [touched])
+
         async def requeue(conn: Connection) -> tuple[list[asyncpg.Record], list[UUID]]:
             evicted = await conn.fetch(
                 "UPDATE sandboxes SET state='evicted', ended_at=now()"
-                " WHERE agent_id = ANY($1::uuid[]) AND state='parked'"
+                f" WHERE agent_id IN ({among}) AND state='parked'"
                 " RETURNING id, agent_id, node",
-                touched,
+                *among_args,
             )
             requeued = await requeue_in_progress(
-                conn, "t.agent_id = ANY($1::uuid[])", [touched], f"{scope} kill-switch")
-            await record_many(conn, touched, {s["agent_id"]: s["id"] for s in live},
-                              "kill", "killed", {"scope": scope, "requeued": len(requeued)})
+                conn, f"t.agent_id IN ({among})", among_args, f"{scope} kill-switch")
+            if touched:
+                await record_many(conn, touched, {s["agent_id"]: s["id"] for s in live},
+                                  "kill", "killed", {"scope": scope,
+                                                     "requeued": len(requeued)})
             return list(evicted), requeued
 
-        if touched:
+        if touched or held:
             # Retried like the flag's: with the flag committed, a requeue that failed on a
             # deadlock would leave the work in progress and answer the kill with a 500.
             evicted, report.tasks_requeued = await _retried(conn, requeue, scope, "requeue")
