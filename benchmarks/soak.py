@@ -30,8 +30,8 @@ from typing import Any
 from harness.measure import TimeToStop
 from harness.measure import summarize as time_to_stop_percentiles
 
-COUNTS = ("operations", "faults", "skipped", "tasks_created", "tasks", "lost_tasks",
-          "done_twice", "actions_after_kill_ack")
+COUNTS = ("operations", "faults", "skipped", "outage_answers", "tasks_created", "tasks",
+          "lost_tasks", "done_twice", "actions_after_kill_ack")
 
 
 def summarize(journals: list[dict[str, Any]]) -> dict[str, Any]:
