@@ -30,8 +30,8 @@ from typing import Any
 from harness.measure import TimeToStop
 from harness.measure import summarize as time_to_stop_percentiles
 
-COUNTS = ("operations", "faults", "skipped", "tasks_created", "tasks", "lost_tasks",
-          "done_twice", "actions_after_kill_ack")
+COUNTS = ("operations", "faults", "skipped", "outage_answers", "tasks_created", "tasks",
+          "lost_tasks", "done_twice", "actions_after_kill_ack")
 
 
 def summarize(journals: list[dict[str, Any]]) -> dict[str, Any]:
@@ -40,6 +40,7 @@ def summarize(journals: list[dict[str, Any]]) -> dict[str, Any]:
     broken: Counter[str] = Counter()
     failing: list[dict[str, Any]] = []
     faults: Counter[str] = Counter()
+    applied: Counter[str] = Counter()  # drawn and carried out (not skipped)
     unsettled = 0
     for j in journals:
         statuses[j["status"]] += 1
@@ -47,6 +48,7 @@ def summarize(journals: list[dict[str, Any]]) -> dict[str, Any]:
         for key in COUNTS:
             totals[key] += int(generator.get(key) or 0)
         unsettled += generator.get("unsettled") is not None
+        applied.update(generator.get("faults_by_kind") or {})
         for step in j.get("schedule", {}).get("steps", []):
             if step["kind"] == "fault":
                 faults[step["name"]] += 1
@@ -60,7 +62,8 @@ def summarize(journals: list[dict[str, Any]]) -> dict[str, Any]:
     samples = [TimeToStop(**s) for j in journals
                for s in j.get("measurements", {}).get("time_to_stop", {}).get("samples_ns", [])]
     return {"schedules": len(journals), "statuses": dict(statuses), **totals,
-            "faults_drawn": dict(faults), "unsettled": unsettled,
+            "faults_drawn": dict(sorted(faults.items())),
+            "faults_applied": dict(sorted(applied.items())), "unsettled": unsettled,
             "rules_broken": dict(broken),
             "time_to_stop_us": {part: asdict(p) for part, p in
                                 time_to_stop_percentiles(samples).items()} if samples else {},

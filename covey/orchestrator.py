@@ -44,6 +44,9 @@ LIVE = ("starting", "running")
 # while it already has this many heartbeat tasks unfinished.
 HEARTBEAT_MIN_S = 60
 MAX_OPEN_HEARTBEAT_TASKS = 10
+# Work left in progress under a session that is over is requeued once the session has been
+# over this long (or two leases, if longer): see `requeue_orphaned_work`.
+ORPHAN_GRACE_MIN_S = 5.0
 
 # The one definition of "this agent may run" (agents as a, organisations as o): its own flag,
 # its organisation's, and the control plane's global flag. Every wake path, every claim and
@@ -693,7 +696,8 @@ class Orchestrator:
             changed = not row["was_killed"] or row["was_origin"] != origin
             report = KillReport(already_killed=bool(row["was_killed"]), agents=[agent_id])
             evicted = await self._stop_sessions(conn, "agent", live,
-                                                [agent_id] if changed else [], started, report)
+                                                [agent_id] if changed else [], started, report,
+                                                held=("SELECT $1::uuid", [agent_id]))
         await self._await_stopped(live, evicted, report)
         metrics.kills.labels("agent", "already" if report.already_killed else "killed").inc()
         return report
@@ -739,7 +743,9 @@ class Orchestrator:
         async with self.pool.acquire() as conn:  # one connection, as in kill_agent
             was, agents, live = await self._switch(conn, flag, "fleet", started)
             report = KillReport(already_killed=was, agents=agents)
-            evicted = await self._stop_sessions(conn, "fleet", live, agents, started, report)
+            evicted = await self._stop_sessions(
+                conn, "fleet", live, agents, started, report,
+                held=("SELECT id FROM agents WHERE org_id=$1", [org_id]))
         await self._await_stopped(live, evicted, report)
         metrics.kills.labels("fleet", "already" if was else "killed").inc()
         return report
@@ -767,14 +773,19 @@ class Orchestrator:
         return list(live)
 
     async def _stop_sessions(self, conn: Connection, scope: str, live: list[asyncpg.Record],
-                             agents: list[UUID], started: float, report: KillReport
+                             agents: list[UUID], started: float, report: KillReport,
+                             held: tuple[str, list[Any]] | None = None
                              ) -> list[asyncpg.Record]:
         """After the flag is committed (with the sessions cancelled): kill messages, evict
         warm sandboxes, requeue in-progress work, record. In that order (DESIGN §2.3 line 1).
         `agents` are those whose flag this kill set; with the agents of live sessions, they
-        are the ones it touches (a repeated kill touches none). Returns the evicted
-        sandboxes. `conn` is the flag's connection: a few statements on it, whatever the
-        fleet's size."""
+        are the ones it touches (a repeated kill touches none, and records nothing). `held`
+        (a query of agent ids, its arguments) are all the agents the flag now stops: their
+        parked sandboxes are evicted and their work requeued even on a repeated kill, which
+        must finish what an earlier one cut short (its control plane SIGKILLed, its database
+        gone, between its flag and this step: the retry its 503 asks for answered 200 and left
+        the work in progress). Returns the evicted sandboxes. `conn` is the flag's
+        connection: a few statements on it, whatever the fleet's size."""
         session_ids = [s["id"] for s in live]
         delivered = await asyncio.gather(*(self.hub.send_kill(s) for s in session_ids))
         report.kill_delivered = [s for s, ok in zip(session_ids, delivered, strict=True) if ok]
@@ -783,20 +794,24 @@ class Orchestrator:
         touched = sorted({*agents, *(s["agent_id"] for s in live)})
         evicted: list[asyncpg.Record] = []
 
+        among, among_args = held or ("SELECT unnest($1::uuid[])", [touched])
+
         async def requeue(conn: Connection) -> tuple[list[asyncpg.Record], list[UUID]]:
             evicted = await conn.fetch(
                 "UPDATE sandboxes SET state='evicted', ended_at=now()"
-                " WHERE agent_id = ANY($1::uuid[]) AND state='parked'"
+                f" WHERE agent_id IN ({among}) AND state='parked'"
                 " RETURNING id, agent_id, node",
-                touched,
+                *among_args,
             )
             requeued = await requeue_in_progress(
-                conn, "t.agent_id = ANY($1::uuid[])", [touched], f"{scope} kill-switch")
-            await record_many(conn, touched, {s["agent_id"]: s["id"] for s in live},
-                              "kill", "killed", {"scope": scope, "requeued": len(requeued)})
+                conn, f"t.agent_id IN ({among})", among_args, f"{scope} kill-switch")
+            if touched:
+                await record_many(conn, touched, {s["agent_id"]: s["id"] for s in live},
+                                  "kill", "killed", {"scope": scope,
+                                                     "requeued": len(requeued)})
             return list(evicted), requeued
 
-        if touched:
+        if touched or held:
             # Retried like the flag's: with the flag committed, a requeue that failed on a
             # deadlock would leave the work in progress and answer the kill with a 500.
             evicted, report.tasks_requeued = await _retried(conn, requeue, scope, "requeue")
@@ -1012,6 +1027,7 @@ class Orchestrator:
         )
         for s in stale:
             await self.session_lost(s["id"], "daemon silent past its timeout")
+        await self.requeue_orphaned_work()
         waiting = await self.pool.fetch(
             f"""
             SELECT DISTINCT a.id FROM agents a
@@ -1027,6 +1043,26 @@ class Orchestrator:
             await self.wake_many(sorted(ids), "tick")
         if self.runner is not None:
             await self.runner.maintain_parked(self.tell_idle_to_sleep)
+
+    async def requeue_orphaned_work(self) -> list[UUID]:
+        """Put back to open the tasks still in progress under a session that is over.
+
+        A kill commits its flag with the sessions cancelled, then requeues their work in a
+        second transaction. A game day SIGKILLed the control plane between the two, in the
+        middle of a fleet kill: the tasks stayed `in_progress` for good, claimed by
+        cancelled sessions, which no daemon loss or later kill would ever touch again (the
+        same happens when the database goes away between them). The grace keeps this sweep
+        from racing a kill whose requeue is simply on its way."""
+        grace_s = max(ORPHAN_GRACE_MIN_S, 2 * self.settings.lease_ms / 1000)
+        async with self.pool.acquire() as conn:
+            requeued = await requeue_in_progress(
+                conn, "EXISTS (SELECT 1 FROM sessions s WHERE s.id=t.claimed_by"
+                      " AND s.state NOT IN ('starting','running')"
+                      " AND s.ended_at < now() - make_interval(secs => $1))",
+                [grace_s], "requeued: its session was over without it")
+        if requeued:
+            log.warning("work of ended sessions requeued", tasks=len(requeued))
+        return requeued
 
     async def renew_leases(self, session_ids: list[UUID] | None = None) -> None:
         """Renew the lease of every daemon connected here (or of these) whose agent may

@@ -228,16 +228,23 @@ class GameDay:
 
     async def operate(self, role: str, f: str, value: dict[str, Any],
                       call: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response:
-        """Invoke an operation as `role`, recording invoke and outcome: ok for a 2xx, fail
-        for a refusal (a 403 switch was not pulled), info when the request itself failed
-        (nobody knows whether it took effect). The scenario asserts what it expected."""
+        """Invoke an operation as `role`, recording invoke and outcome as Jepsen does: ok for
+        a 2xx; fail for a refusal (a 403 switch was not pulled) and for a request that never
+        reached the control plane (nothing listened: it cannot have taken effect); info when
+        nobody knows (the request failed on its way, or the control plane answered 503
+        because its database was away: a kill may then be recorded in part). The scenario
+        asserts what it expected."""
         invoke = self.history.invoke(f"operator:{role}", f, value)
         try:
             r = await call()
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            self.history.complete(invoke, "fail", {"error": repr(exc), "unreached": True})
+            raise
         except httpx.HTTPError as exc:
             self.history.complete(invoke, "info", {"error": repr(exc)})
             raise
-        outcome: Literal["ok", "fail"] = "ok" if r.is_success else "fail"
+        outcome: Literal["ok", "fail", "info"] = (
+            "ok" if r.is_success else "info" if r.status_code == 503 else "fail")
         phases.info("%s: %s answered %s", role, f, r.status_code)
         body = r.json() if r.headers.get("content-type", "").startswith("application/json") \
             else {}

@@ -276,11 +276,14 @@ def fleet_resume_keeps_own_kills(history: History, final: FinalState) -> Verdict
 
 def wake_paths_refused_while_stopped(history: History, final: FinalState) -> Verdict:
     """Every wake path (a manual wake, a heartbeat fire, the trigger) that a stop held from
-    request to answer was answered 409; a role's 403 is judged elsewhere."""
+    request to answer was answered 409; a role's 403 is judged elsewhere. A call that got
+    no answer (it never reached the control plane, down in a crash) is not judged: nothing
+    was refused or let through."""
     name = "wake_paths_refused_while_stopped"
     all_stops = stops(history)
     calls = [op for op in history.operations(WAKE_PATHS)
-             if op.agent_id is not None and op.end_ns is not None and op.type != "info"]
+             if op.agent_id is not None and op.end_ns is not None and op.type != "info"
+             and op.value.get("status") is not None]
     lines: list[str] = []
     evidence: set[int] = set()
     judged = 0

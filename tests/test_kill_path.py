@@ -234,3 +234,86 @@ async def test_the_kills_wait_returns_who_confirmed_within_its_bound() -> None:
     assert len(await hub.wait_stopped([s.session_id for s in links], 30)) == 3
     assert loop.time() - started < 5
     assert len(sent) == 3
+
+
+async def test_work_left_in_progress_by_a_kill_cut_short_is_requeued(world: World) -> None:
+    """A kill commits its flag with the sessions cancelled, then requeues their work in a
+    second transaction. A control plane SIGKILLed between the two (a random game day did it
+    in the middle of a fleet kill) left the task in progress for good, claimed by a session
+    that was over. The scheduler's sweep puts it back, once the session has been over
+    longer than the sweep's grace; a session just cancelled is left to its kill."""
+    from covey.orchestrator import ORPHAN_GRACE_MIN_S
+
+    agent = await world.agent()
+    aid = uuid.UUID(agent["id"])
+    # The fleet stands stopped (the kill's flag committed), so nothing wakes the agent again.
+    await world.db.execute("UPDATE organizations SET fleet_killed=true WHERE id=$1",
+                           world.org.id)
+    tasks = {}
+    for label, ended_ago_s in (("orphaned", ORPHAN_GRACE_MIN_S + 30), ("just-cancelled", 0)):
+        sandbox_id, session_id, task_id = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+        await world.db.execute(
+            "INSERT INTO sandboxes (id, agent_id, backend, state, node)"
+            " VALUES ($1, $2, 'process', 'gone', 'test')", sandbox_id, aid)
+        await world.db.execute(
+            "INSERT INTO sessions (id, agent_id, sandbox_id, node, state, ended_at,"
+            " stop_layer) VALUES ($1, $2, $3, 'test', 'cancelled',"
+            " now() - make_interval(secs => $4), 'kill-switch')",
+            session_id, aid, sandbox_id, float(ended_ago_s))
+        await world.db.execute(
+            "INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin, state,"
+            " claimed_by, claim_token) VALUES ($1, $2, $3, 't', 'hold', 'api', 'in_progress',"
+            " $4, 7)", task_id, world.org.id, aid, session_id)
+        tasks[label] = task_id
+
+    async def requeued() -> bool:
+        return await world.task_state(str(tasks["orphaned"])) == "open"
+    await eventually(requeued, 10, "a task claimed by a session over for long stayed in "
+                     "progress: nothing requeued the work of the kill cut short")
+    note = await world.db.fetchval(
+        "SELECT note FROM task_transitions WHERE task_id=$1 AND to_state='open'",
+        tasks["orphaned"])
+    assert note == "requeued: its session was over without it", note
+    assert await world.db.fetchval("SELECT claimed_by FROM backlog_tasks WHERE id=$1",
+                                   tasks["orphaned"]) is None, "the requeued task kept its claim"
+    assert await world.task_state(str(tasks["just-cancelled"])) == "in_progress", (
+        "the sweep took the work of a kill whose requeue was still on its way")
+
+
+@pytest.mark.parametrize("scope", ["fleet", "agent"])
+async def test_a_repeated_kill_finishes_what_a_kill_cut_short_left(world: World,
+                                                                  scope: str) -> None:
+    """The 503 of a kill cut short by an outage asks for a retry. A fleet kill whose control
+    plane was SIGKILLed after its flag had committed left the flags set, the sessions
+    cancelled and the work in progress; its retry found every flag already set, touched no
+    agent, and answered 200 with the work still in progress. The retry requeues the work
+    and evicts the parked sandbox of every agent the flag holds."""
+    agent = await world.agent()
+    aid = uuid.UUID(agent["id"])
+    if scope == "fleet":
+        await world.db.execute("UPDATE organizations SET fleet_killed=true WHERE id=$1",
+                               world.org.id)
+    await world.db.execute("UPDATE agents SET killed=true, kill_origin=$2, status='killed'"
+                           " WHERE id=$1", aid, scope if scope == "fleet" else "agent")
+    sandbox_id, parked, session_id, task_id = (uuid.uuid4() for _ in range(4))
+    await world.db.execute(
+        "INSERT INTO sandboxes (id, agent_id, backend, state, node) VALUES"
+        " ($1, $3, 'process', 'gone', 'elsewhere'),"
+        " ($2, $3, 'process', 'parked', 'elsewhere')", sandbox_id, parked, aid)
+    await world.db.execute(
+        "INSERT INTO sessions (id, agent_id, sandbox_id, node, state, ended_at, stop_layer)"
+        " VALUES ($1, $2, $3, 'elsewhere', 'cancelled', now(), 'kill-switch')",
+        session_id, aid, sandbox_id)
+    await world.db.execute(
+        "INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin, state,"
+        " claimed_by, claim_token) VALUES ($1, $2, $3, 't', 'hold', 'api', 'in_progress',"
+        " $4, 7)", task_id, world.org.id, aid, session_id)
+
+    path = "/api/v1/fleet/kill" if scope == "fleet" else f"/api/v1/agents/{aid}/kill"
+    r = await world.security.post(path)
+    assert r.status_code == 200, f"the retried kill answered {r.status_code}: {r.text}"
+    assert r.json()["tasks_requeued"] == [str(task_id)], (
+        f"the retried {scope} kill answered 200 and left the work in progress: {r.text}")
+    assert await world.task_state(str(task_id)) == "open"
+    assert await world.db.fetchval("SELECT state FROM sandboxes WHERE id=$1", parked) \
+        == "evicted", "the retried kill left the killed agent's warm sandbox parked"

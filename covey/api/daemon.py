@@ -17,7 +17,7 @@ import structlog
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from starlette.websockets import WebSocketDisconnected, WebSocketState
 
-from covey.db import through_outage
+from covey.db import UNREACHABLE, through_outage
 from covey.hub import DaemonLink, send_to
 from covey.orchestrator import LAYER_NAMES, GuardTripReport, Orchestrator, record
 from covey.security import token_hash
@@ -28,6 +28,7 @@ router = APIRouter()
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_FORBIDDEN = 4403
 CLOSE_PROTOCOL = 4400
+CLOSE_UNAVAILABLE = 4503
 # Why a daemon says it stopped (coveyd.Stop): an obeyed kill, a lapsed lease, its own guard,
 # a sleep, an error.
 DAEMON_STOPS = ("kill", "lease", "guard", "sleep", "error")
@@ -178,11 +179,21 @@ async def daemon_ws(ws: WebSocket) -> None:
         why = f"protocol error: {exc.error}"
         with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
             await _reject(ws, CLOSE_PROTOCOL, exc.error, exc.hint)
+    except UNREACHABLE as exc:
+        # A message whose write met a database outage (a game day restarted Postgres under
+        # a working fleet): the handler once died with it, and the session stayed `running`
+        # until the stale-session sweep. Its effect is lost, so the channel is too: the
+        # daemon stops by its lease, and its work goes back to the backlog below.
+        why = f"database unreachable: {type(exc).__name__}"
+        with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
+            await _reject(ws, CLOSE_UNAVAILABLE, "Database unreachable",
+                          "The control plane cannot record this daemon's messages until its "
+                          "database is back; the agent is woken again then.")
     finally:
         orch.hub.detach(link.session_id)
     # Gone without `sleep` or `kill`, the daemon is lost and its work goes back to the
     # backlog (counted against daemon_retries). A no-op for a session already ended or killed.
-    await orch.session_lost(link.session_id, why)
+    await through_outage(lambda: orch.session_lost(link.session_id, why), "session lost")
     await save_kill_confirmation(orch, link)
 
 

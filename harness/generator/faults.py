@@ -3,19 +3,26 @@ callable taking the game day and the step's parameters and returning the nemesis
 of the fault it started.
 
 Every entry reaches the system under test only through the game day's nemesis, so each fault
-carries the nemesis's deadline and heals itself when the harness is gone. A new kind of fault
-(a database restart, a control-plane crash) joins the generator by adding an entry here; the
-schedule and the player know faults by name only.
+carries the nemesis's deadline and heals itself at it (or when the harness is gone). A new
+kind of fault joins the generator by adding an entry here; the schedule and the player know
+faults by name only. Beside the control channel and the sandboxes: the database paused or
+restarted, and the control plane crashed (SIGKILL) and started again at the deadline, also
+in the middle of a fleet kill; a daemon's SIGKILL is `kill_sandbox`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import docker.errors
+import httpx
+
+from harness.client import ApiFailure
 
 if TYPE_CHECKING:
     from harness.gameday import GameDay
@@ -70,9 +77,26 @@ def _processes_only(day: GameDay) -> str | None:
         f"pausing a sandbox is drawn on the processes stack only, not on {day.stack}")
 
 
+def _has_database(day: GameDay) -> str | None:
+    if day.endpoints.nemesis.database is not None:
+        return None
+    return f"the {day.stack} stack's database is not the harness's to fault"
+
+
+def _has_plane(day: GameDay) -> str | None:
+    if day.endpoints.control_plane is not None:
+        return None
+    return f"the {day.stack} stack's control plane is not the harness's to crash"
+
+
 async def _running_sandbox(day: GameDay, params: dict[str, Any]) -> dict[str, Any]:
     agent_id = str(params["agent_id"])
-    for box in await day.sandboxes(agent_id):
+    try:
+        boxes = await day.sandboxes(agent_id)
+    except (ApiFailure, httpx.TransportError) as away:  # a database or plane outage
+        raise FaultSkipped(f"the sandboxes of agent {agent_id} could not be read: "
+                           f"{away}"[:300]) from away
+    for box in boxes:
         if box["state"] in LIVE and box.get("handle"):
             return box
     raise FaultSkipped(f"agent {agent_id} has no running sandbox")
@@ -117,6 +141,73 @@ async def kill_sandbox(day: GameDay, params: dict[str, Any]) -> dict[str, Any]:
     return {**record.to_json(), "sandbox_id": box["id"]}
 
 
+def _database_standing(day: GameDay) -> None:
+    out = day.endpoints.nemesis.database_out()
+    if out is not None:  # one fault per target: a pause would replace the restart early
+        raise FaultSkipped(f"the database is already out ({out.kind}, fault {out.id})")
+
+
+async def pause_database(day: GameDay, params: dict[str, Any]) -> dict[str, Any]:
+    """Freeze Postgres, sockets open: the control plane's queries hang until the deadline."""
+    _database_standing(day)
+    return (await day.endpoints.nemesis.pause_database(params["deadline_s"])).to_json()
+
+
+async def restart_database(day: GameDay, params: dict[str, Any]) -> dict[str, Any]:
+    """Postgres stopped at once (a crash, as its clients see it), started at the deadline."""
+    _database_standing(day)
+    return (await day.endpoints.nemesis.restart_database(params["deadline_s"])).to_json()
+
+
+def _the_plane(day: GameDay) -> Any:
+    plane = day.endpoints.control_plane
+    if plane is None:
+        raise FaultSkipped(_has_plane(day) or "no control plane")
+    if day.endpoints.nemesis.control_plane_down() is not None:
+        raise FaultSkipped("the control plane is already down")
+    return plane
+
+
+async def crash_control_plane(day: GameDay, params: dict[str, Any]) -> dict[str, Any]:
+    """SIGKILL the control plane (its daemons live on, and stop by their lease); the stack
+    starts it again at the deadline."""
+    plane = _the_plane(day)
+    return (await day.endpoints.nemesis.crash_control_plane(plane,
+                                                            params["deadline_s"])).to_json()
+
+
+FLAG_WAIT_S = 10.0
+
+
+async def _fleet_flag_committed(day: GameDay, within_s: float) -> bool:
+    """Whether the org's fleet flag is seen committed within `within_s` (an outage's 503 or a
+    refused connection is just not yet)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            r = await day.people["auditor"].fleet()
+            if r.status_code == 200 and r.json().get("fleet_killed"):
+                return True
+        except httpx.TransportError:
+            pass
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def crash_control_plane_mid_fleet_kill(day: GameDay, params: dict[str, Any]
+                                             ) -> dict[str, Any]:
+    """A fleet kill pulled by security, and the control plane SIGKILLed once the org's flag
+    is committed (the kill's first step), while the agents' own kills are under way."""
+    plane = _the_plane(day)
+    pulling = asyncio.create_task(day.as_("security").kill_fleet())
+    committed = await _fleet_flag_committed(day, FLAG_WAIT_S)
+    record = await day.endpoints.nemesis.crash_control_plane(plane, params["deadline_s"])
+    answered = (await asyncio.gather(pulling, return_exceptions=True))[0]
+    answer = (answered.status_code if isinstance(answered, httpx.Response)
+              else type(answered).__name__)
+    return {**record.to_json(), "flag_committed_first": committed, "fleet_kill": answer}
+
+
 def _agent(_: random.Random, __: float) -> dict[str, Any]:
     return {}
 
@@ -128,6 +219,11 @@ FAULTS: dict[str, FaultAction] = {
                                          _has_channel),
     "pause_sandbox": FaultAction(pause_sandbox, _deadline, True, _processes_only),
     "kill_sandbox": FaultAction(kill_sandbox, _agent, True, _sandboxes_here),
+    "pause_database": FaultAction(pause_database, _deadline, False, _has_database),
+    "restart_database": FaultAction(restart_database, _deadline, False, _has_database),
+    "crash_control_plane": FaultAction(crash_control_plane, _deadline, False, _has_plane),
+    "crash_control_plane_mid_fleet_kill": FaultAction(crash_control_plane_mid_fleet_kill,
+                                                      _deadline, False, _has_plane),
 }
 
 

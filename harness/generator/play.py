@@ -4,20 +4,26 @@ healed, agents behave, every switch released) and the work is given time to fini
 the checkers judge a history that has settled.
 
 The player records and never judges: a refused call, a fault with nothing to act on, a
-request nobody knows the outcome of are all history, and the schedule goes on.
+request nobody knows the outcome of are all history, and the schedule goes on. So is an
+outage the schedule brought about itself (the database away, the control plane crashed): an
+operation it meets is recorded as `operate` records it (fail when it never reached the
+control plane, info when it may have taken effect), a read it meets as a failed read, and
+the player goes on; only the settling waits for the control plane to be back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import httpx
 
 from harness.checkers import Verdict
-from harness.client import json_of
+from harness.client import ApiFailure, json_of
 from harness.gameday import GameDay
 from harness.generator.faults import FAULTS, FaultSkipped
 from harness.generator.schedule import Schedule, Step
@@ -29,6 +35,10 @@ HEARTBEAT = "hourly"
 # rm_rf repeats one call forever: with the loop detector out of reach it runs until a switch.
 GUARDS: dict[str, dict[str, Any]] = {"rm_rf": {"loop_window": 1000, "loop_repeats": 1000}}
 FINISHED = ("done", "failed")
+# After the incident: how long the control plane may take to answer again once every fault
+# is healed (a restart, its database reconnected) on a loaded 2-core machine.
+PLANE_BACK_S = 90.0
+T = TypeVar("T")
 
 
 @dataclass
@@ -39,11 +49,41 @@ class Played:
     faults: int = 0
     skipped: int = 0
     tasks_created: int = 0
+    # Operations and reads an outage answered (a 503, a refused or cut connection).
+    outage_answers: int = 0
+    faults_by_kind: Counter[str] = field(default_factory=Counter)
     unsettled: str | None = None  # why the work did not finish after the incident, if not
 
     def to_json(self) -> dict[str, Any]:
         return {"operations": self.operations, "faults": self.faults, "skipped": self.skipped,
-                "tasks_created": self.tasks_created, "unsettled": self.unsettled}
+                "tasks_created": self.tasks_created, "outage_answers": self.outage_answers,
+                "faults_by_kind": dict(sorted(self.faults_by_kind.items())),
+                "unsettled": self.unsettled}
+
+
+def outage(exc: BaseException) -> str | None:
+    """Why a call met an outage (the database away: 503; the control plane down or restarting:
+    no connection, or one cut), or None when `exc` is something else, which is not ridden
+    out: a 500 or a wrong status is a finding."""
+    if isinstance(exc, ApiFailure):
+        return exc.response.text[:200] if exc.response.status_code == 503 else None
+    if isinstance(exc, httpx.TransportError):
+        return repr(exc)[:200]
+    return None
+
+
+async def ride_out(day: GameDay, what: str, read: Callable[[], Awaitable[T]]) -> T | None:
+    """A read by the player; one an outage answered is recorded as a failed read (a read has
+    no effect to be unsure of) and gives None."""
+    try:
+        return await read()
+    except (ApiFailure, httpx.TransportError) as exc:
+        why = outage(exc)
+        if why is None:
+            raise
+        day.history.complete(day.history.invoke(GENERATOR, "read", {"what": what}),
+                             "fail", {"outage": why})
+        return None
 
 
 async def set_up(day: GameDay, schedule: Schedule) -> list[dict[str, Any]]:
@@ -61,8 +101,12 @@ async def set_up(day: GameDay, schedule: Schedule) -> list[dict[str, Any]]:
 
 
 async def _task_of(day: GameDay, agent_id: str, index: int) -> str | None:
-    tasks = sorted(json_of(await day.people["auditor"].backlog(agent_id)),
-                   key=lambda t: (t["created_at"], t["id"]))
+    async def backlog() -> list[dict[str, Any]]:
+        return list(json_of(await day.people["auditor"].backlog(agent_id)))
+    read = await ride_out(day, "backlog", backlog)
+    if read is None:
+        return None
+    tasks = sorted(read, key=lambda t: (t["created_at"], t["id"]))
     return str(tasks[index % len(tasks)]["id"]) if tasks else None
 
 
@@ -120,48 +164,75 @@ async def apply(day: GameDay, agents: list[dict[str, Any]], index: int, step: St
     if step.kind == "fault":
         if await _fault(day, agents, step):
             played.faults += 1
+            played.faults_by_kind[step.name] += 1
         else:
             played.skipped += 1
         return
     kill = step.name in ("kill_agent", "kill_fleet")
-    if kill:
-        await day.read_tasks()  # what was in progress, for in_progress_requeued
+    if kill:  # what was in progress, for in_progress_requeued
+        played.outage_answers += await ride_out(day, "tasks", day.read_tasks) is None
     try:
         r = await _operation(day, agents, step)
     except httpx.HTTPError:
-        played.operations += 1  # recorded as info: it may have taken effect
+        # Recorded by `operate`: fail if it never reached the control plane, else info.
+        played.operations += 1
+        played.outage_answers += 1
         return
     if r is None:
         played.skipped += 1
-        day.history.observe(GENERATOR, "skipped", {"index": index, "why": "no task to change"})
+        day.history.observe(GENERATOR, "skipped", {"index": index,
+                                                   "why": "no task to change could be read"})
         return
     played.operations += 1
+    played.outage_answers += r.status_code == 503
     if r.is_success and step.name in ("create_task", "trigger", "fire_heartbeat"):
         played.tasks_created += 1
-    if kill and r.is_success:
-        await day.read_tasks()  # requeued once the kill answered
+    if kill and r.is_success:  # requeued once the kill answered
+        played.outage_answers += await ride_out(day, "tasks", day.read_tasks) is None
+
+
+def _unless_outage(r: httpx.Response) -> None:
+    if r.status_code == 503:
+        raise ApiFailure(r, 200)
+
+
+async def plane_back(day: GameDay, within_s: float) -> None:
+    """Until the control plane answers /healthz with its database reachable."""
+    async def answers() -> bool:
+        try:
+            return (await day.people["auditor"].get("/healthz")).status_code == 200
+        except httpx.TransportError:
+            return False
+    await day.until.condition(answers, within_s, "the control plane did not answer with its "
+                              f"database within {within_s:.0f} s of every fault healing")
 
 
 async def settle(day: GameDay, agents: list[dict[str, Any]], deadline_s: float) -> str | None:
     """End the incident: heal the faults, let the agents behave, release every switch, and
     wait until every task is done or failed. Returns why it did not, or None."""
     await day.endpoints.nemesis.heal_all()
+    await plane_back(day, PLANE_BACK_S)
     for agent in agents:
         await day.endpoints.puppet.assign(agent["id"], "well_behaved")
     security = day.as_("security")
     for attempt in range(3):  # a resume refused by a passing fault is tried again
         try:
-            await security.resume_fleet()
+            _unless_outage(await security.resume_fleet())
             for agent in agents:
                 if json_of(await day.people["auditor"].agent(agent["id"]))["killed"]:
-                    await security.resume_agent(agent)
+                    _unless_outage(await security.resume_agent(agent))
             break
-        except httpx.HTTPError:
+        except (ApiFailure, httpx.HTTPError) as exc:
+            if isinstance(exc, ApiFailure) and outage(exc) is None:
+                raise
             await asyncio.sleep(1 + attempt)
     deadline = time.monotonic() + deadline_s
     left: list[str] = []
     while time.monotonic() < deadline:
-        tasks = await day.read_tasks()
+        tasks = await ride_out(day, "tasks", day.read_tasks)
+        if tasks is None:
+            await asyncio.sleep(0.5)
+            continue
         left = [f"{t['id']} ({t['state']})" for t in tasks.values() if t["state"] not in FINISHED]
         if not left:
             return None

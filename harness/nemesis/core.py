@@ -22,11 +22,21 @@ from harness.nemesis.containers import (
     reconnect_settings,
 )
 from harness.nemesis.database import EmbeddedPostgres, PostgresContainer
-from harness.nemesis.faults import BadFault, FaultRecord, HealedBy, HealReport, check_deadline
+from harness.nemesis.faults import (
+    BadFault,
+    FaultRecord,
+    HealedBy,
+    HealFailed,
+    HealReport,
+    check_deadline,
+)
+from harness.nemesis.plane import PLANE, PlaneCrash, Restartable
 from harness.nemesis.processes import ProcessKill, ProcessPause
 from harness.nemesis.proxy import FaultProxy, RemoteFaultProxy
 from harness.nemesis.standing import StandingFaults
 from harness.nemesis.watchdog import FaultRegistry
+
+DATABASE_HEAL_GRACE_NS = 30_000_000_000
 
 if TYPE_CHECKING:
     from docker import DockerClient
@@ -176,6 +186,38 @@ class Nemesis:
         if isinstance(database, PostgresContainer):
             return await self.resume_container(database.name)
         return await self._faults.heal("postgres")
+
+    def database_out(self) -> FaultRecord | None:
+        """The database's standing fault (a pause, a restart), if one stands."""
+        database = self.database
+        if database is None:
+            return None
+        if isinstance(database, PostgresContainer):
+            key = self._find_container_fault(database.name)
+            return None if key is None else self._faults.standing(key)
+        return self._faults.standing("postgres")
+
+    # ---------------------------------------------------------------- the control plane
+
+    async def crash_control_plane(self, plane: Restartable, deadline_s: float) -> FaultRecord:
+        """SIGKILL the control plane (its sandboxes live on) and have the stack start it
+        again at the deadline."""
+        check_deadline(deadline_s)
+        record, _ = await self._faults.start(PlaneCrash(plane, self._database_back),
+                                             deadline_s)
+        return record
+
+    async def _database_back(self) -> None:
+        """Until the database's standing fault has healed (at its deadline at the latest)."""
+        while (out := self.database_out()) is not None:
+            if self._clock() > (out.heals_at_ns or 0) + DATABASE_HEAL_GRACE_NS:
+                raise HealFailed(f"the database's {out.kind} outlived its deadline: the "
+                                 "control plane cannot start without it")
+            await asyncio.sleep(0.05)
+
+    def control_plane_down(self) -> FaultRecord | None:
+        """The control plane's crash, while it stands."""
+        return self._faults.standing(PLANE)
 
     async def kill_sandbox(self, sandbox: dict[str, Any]) -> FaultRecord:
         """SIGKILL a sandbox's daemon as the API shows the sandbox: its process on the

@@ -38,6 +38,9 @@ class Fault:
     id_prefix: str  # the fault's id is f"{id_prefix}-{kind}-{n}"
     ms: int | None = None
     network: str | None = None
+    # Healed after every other fault by `heal_all`: it needs them gone to come back (a
+    # control plane cannot start while its database is away).
+    heals_last = False
 
     async def impose(self) -> str | None:
         """Bring the fault about; returns a note when something was odd about it."""
@@ -178,7 +181,7 @@ class StandingFaults:
 
     async def heal_all(self, how: HealedBy = "heal") -> list[FaultRecord]:
         healed = []
-        for key in list(self._standing):
+        for key in sorted(self._standing, key=lambda k: self._standing[k].fault.heals_last):
             with contextlib.suppress(HealFailed):  # the record says why; verify_healed tells
                 record = await self.heal(key, how)
                 if record is not None:

@@ -4,7 +4,9 @@ operations, and shrinking finds the two steps that make a planted checker fail."
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -32,6 +34,8 @@ from harness.generator.shrink import shrink
 from harness.history import History
 
 FAULT_NAMES = sorted(fault_registry.FAULTS)
+OUTAGE_FAULTS = {"pause_database", "restart_database", "crash_control_plane",
+                 "crash_control_plane_mid_fleet_kill", "kill_sandbox"}
 
 
 def test_a_seed_gives_one_schedule_and_another_seed_another() -> None:
@@ -76,15 +80,16 @@ def _answer(request: httpx.Request) -> httpx.Response:
     return httpx.Response(200, json={})
 
 
-def _day(tmp_path: Path) -> GameDay:
-    """A game day whose people talk to `_answer`: the player's calls go through the real
+def _day(tmp_path: Path, answer: Callable[[httpx.Request], httpx.Response] = _answer
+         ) -> GameDay:
+    """A game day whose people talk to `answer`: the player's calls go through the real
     recording client, and only the control plane is a table."""
     day = GameDay(name="replay", stack="none", endpoints=None,  # type: ignore[arg-type]
                   seed=1, report_dir=tmp_path)
     for role in ROLES:
         client = CoveyClient("http://covey.test")
         client.http = httpx.AsyncClient(base_url="http://covey.test",
-                                        transport=httpx.MockTransport(_answer))
+                                        transport=httpx.MockTransport(answer))
         day.people[role] = client
     return day
 
@@ -217,3 +222,73 @@ async def test_a_broken_random_day_is_shrunk_and_says_how_to_replay_both(
     assert shrunk.steps == (kill,), shrunk
     assert await RandomDay(day, request.config, "scenarios/random_gameday.py", schedule,
                            None).broken([Verdict("no_task_lost", True, "held")]) == []
+
+
+# ---------------------------------------------------------------- outages
+
+
+def test_the_outage_faults_are_drawn_from_the_seed_alone() -> None:
+    """The database and control-plane faults are drawn like the others: the same seed gives
+    the same steps with the same deadlines, and a long schedule draws each of them."""
+    one = generate(11, agents=4, duration_s=600, faults=FAULT_NAMES)
+    assert one == generate(11, agents=4, duration_s=600, faults=FAULT_NAMES)
+    drawn = {s.name for s in one.steps if s.kind == "fault"}
+    assert OUTAGE_FAULTS <= drawn, f"ten minutes drew none of {OUTAGE_FAULTS - drawn}"
+    for step in one.steps:
+        if step.name in OUTAGE_FAULTS - {"kill_sandbox"}:
+            assert 1.0 <= step.params["deadline_s"] <= 5.0, step  # each heals at a deadline
+    text = json.dumps(one.to_json())
+    assert Schedule.from_json(json.loads(text)) == one
+
+
+def _stack(name: str, *, database: object | None, plane: object | None) -> Any:
+    nemesis = SimpleNamespace(database=database, proxies={})
+    return SimpleNamespace(stack=name, endpoints=SimpleNamespace(nemesis=nemesis,
+                                                                 control_plane=plane))
+
+
+def test_outage_faults_are_offered_only_where_the_stack_runs_the_part() -> None:
+    """The processes and containers stacks run their database and control plane: both can
+    be faulted. A target deployment's are not the harness's to restart."""
+    here = fault_registry.usable_faults(_stack("processes", database=object(),
+                                                plane=object()))
+    assert OUTAGE_FAULTS <= set(here)
+    target = fault_registry.usable_faults(_stack("target", database=None, plane=None))
+    assert not OUTAGE_FAULTS & set(target), sorted(OUTAGE_FAULTS & set(target))
+
+
+def _database_away(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(503, json={"error": "Database unreachable", "hint": "retry it"})
+
+
+def _plane_down(request: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("All connection attempts failed", request=request)
+
+
+@pytest.mark.parametrize(("answer", "outcome"), [(_database_away, "info"),
+                                                 (_plane_down, "fail")],
+                         ids=["database-away", "plane-down"])
+async def test_the_player_rides_out_an_outage_and_records_it_as_jepsen_does(
+        tmp_path: Path, answer: Callable[[httpx.Request], httpx.Response],
+        outcome: str) -> None:
+    """During an outage every step is still played and recorded: an operation the database
+    could not record is `info` (a kill may have been recorded in part), one that never
+    reached the control plane is `fail`; the reads of tasks around a kill are failed reads.
+    Nothing ends the schedule."""
+    schedule = generate(2026, agents=3, duration_s=20)  # operations only
+    day = _day(tmp_path, answer)
+    agents = [{"id": f"agent-{n}", "trigger_token": f"token-{n}"} for n in range(3)]
+    day.agents.update({a["id"]: a for a in agents})
+    played = Played()
+    for index, step in enumerate(schedule.steps):
+        await apply(day, agents, index, step, played)
+    await day.close()
+    operations = [op for op in day.history.operations()
+                  if op.process.startswith("operator:")]
+    changes = sum(1 for s in schedule.steps if s.name == "change_task")
+    assert len(operations) == len(schedule.steps) - changes  # a change needs a task read
+    assert {op.type for op in operations} == {outcome}, sorted({op.type for op in operations})
+    kills = [s for s in schedule.steps if s.name in ("kill_agent", "kill_fleet")]
+    reads = [op for op in day.history.operations("read") if op.type == "fail"]
+    assert kills and len(reads) >= len(kills) + changes
+    assert played.outage_answers >= len(operations)

@@ -533,3 +533,58 @@ async def test_a_heal_that_fails_leaves_the_fault_standing_and_says_why(
         await proxy.heal()
         assert nemesis.verify_healed().healed
         assert await round_trip(proxy.port) < ANSWER_S
+
+
+class _Plane:
+    """A control plane as the stack hands it to the nemesis: killed, started again."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, float]] = []
+
+    async def kill(self) -> None:
+        self.calls.append(("kill", time.monotonic()))
+
+    async def start(self) -> None:
+        self.calls.append(("start", time.monotonic()))
+
+
+async def test_a_crashed_control_plane_is_started_again_at_its_deadline() -> None:
+    plane = _Plane()
+    async with Nemesis() as nemesis:
+        record = await nemesis.crash_control_plane(plane, 0.3)
+        assert [c for c, _ in plane.calls] == ["kill"]
+        assert nemesis.control_plane_down() is not None
+
+        async def started() -> bool:
+            return [c for c, _ in plane.calls] == ["kill", "start"]
+        await eventually(started, 5, "the crashed control plane was never started again")
+        assert plane.calls[1][1] - plane.calls[0][1] >= 0.25, "started before its deadline"
+        healed = next(r for r in nemesis.faults() if r.id == record.id)
+        assert healed.healed_by == "deadline" and nemesis.control_plane_down() is None
+        assert nemesis.verify_healed().healed
+
+
+async def test_heal_all_starts_the_control_plane_after_the_other_faults() -> None:
+    """A control plane cannot start while its database is away: healing every fault at once
+    (the end of a game day, the halt) brings the plane back last."""
+    order: list[str] = []
+
+    class Database(_Plane):
+        async def start(self) -> None:
+            order.append("database")
+
+    class Plane(_Plane):
+        async def start(self) -> None:
+            order.append("plane")
+
+    async with Nemesis() as nemesis:
+        await nemesis.crash_control_plane(Plane(), 30)
+        # Any standing fault stands in for the database's: one more crash-like fault.
+        from harness.nemesis.plane import PlaneCrash
+
+        other = PlaneCrash(Database())
+        other.key = other.target = "postgres"
+        other.heals_last = False
+        await nemesis._faults.start(other, 30)
+        await nemesis.heal_all()
+    assert order == ["database", "plane"], order

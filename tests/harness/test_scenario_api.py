@@ -39,21 +39,26 @@ async def test_every_call_is_recorded_with_its_outcome(tmp_path: Path) -> None:
         if request.url.path.endswith("/wake"):
             return httpx.Response(202, json={"outcome": "busy", "session_id": None})
         if request.url.path == "/api/v1/agents/a1/resume":
-            raise httpx.ConnectError("connection reset")
+            raise httpx.ReadError("connection reset")  # sent: it may have taken effect
+        if request.url.path == "/api/v1/agents/a1/kill":
+            raise httpx.ConnectError("connection refused")  # never reached the plane
         return httpx.Response(403, json={"error": "Forbidden", "hint": "ask security"})
 
     day = day_with(tmp_path, answer)
     assert (await day.as_("security").kill_fleet()).status_code == 200
     assert (await day.as_("agent_owner").resume_fleet()).status_code == 403
     await day.as_("agent_owner").wake("a1")
-    with pytest.raises(httpx.ConnectError):
+    with pytest.raises(httpx.ReadError):
         await day.as_("security").resume_agent("a1")
+    with pytest.raises(httpx.ConnectError):
+        await day.as_("security").kill_agent("a1")
     ops = [(op.f, op.type, op.process) for op in day.history.operations(
-        ("kill_fleet", "resume_fleet", "wake", "resume_agent"))]
+        ("kill_fleet", "resume_fleet", "wake", "resume_agent", "kill_agent"))]
     assert ops == [("kill_fleet", "ok", "operator:security"),
                    ("resume_fleet", "fail", "operator:agent_owner"),
                    ("wake", "ok", "operator:agent_owner"),
-                   ("resume_agent", "info", "operator:security")]
+                   ("resume_agent", "info", "operator:security"),
+                   ("kill_agent", "fail", "operator:security")]
     wake = day.history.operations("wake")[0]
     assert wake.value["outcome"] == "busy" and wake.agent_id == "a1", (
         "a wake that found the agent busy must not read as a wake that started it")

@@ -227,6 +227,23 @@ def test_a_wake_path_accepted_during_a_stop_is_caught() -> None:
     assert "fire_heartbeat of agent a1" in verdict.message and "answered 202" in verdict.message
 
 
+def test_a_wake_path_no_control_plane_answered_is_not_judged() -> None:
+    """During a control-plane crash a wake never reaches it (recorded `fail`, with no
+    status); one the database could not answer is `info`: neither was let through."""
+    day = GameDay()
+    day.kill_fleet(100, 110)
+    day.operation("operator:org_admin", "wake", {"agent_id": "a1"}, 200, 201, "fail",
+                  {"error": "ConnectError('All connection attempts failed')",
+                   "unreached": True})
+    day.operation("operator:org_admin", "trigger", {"agent_id": "a1"}, 210, 211, "info",
+                  {"status": 503})
+    verdict = wake_paths_refused_while_stopped(day.history, FinalState())
+    assert verdict.valid == "unknown", verdict.message
+    day.operation("operator:org_admin", "wake", {"agent_id": "a1"}, 300, 301,
+                  result={"status": 202})
+    assert wake_paths_refused_while_stopped(day.history, FinalState()).valid is False
+
+
 def test_a_scenario_may_choose_each_of_them_by_name() -> None:
     from harness.switch_checkers import SWITCH_CHECKERS
     from harness.verdicts import KNOWN_CHECKERS
