@@ -27,7 +27,8 @@ class Channel:
 async def test_a_kill_swallowed_as_a_tool_call_returns_still_ends_the_run(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     env = Env(ws_url="ws://127.0.0.1:1", token="t", agent_id="a1", sandbox_id="s1",
-              model_url="http://127.0.0.1:1/v1", model_key="none", prices={"puppet": (0.0, 0.0)}, home=tmp_path)
+              model_url="http://127.0.0.1:1/v1", model_key="none",
+              prices={"puppet": (0.0, 0.0)}, home=tmp_path)
     async with httpx.AsyncClient() as http:
         daemon = Daemon(env, Channel(), http)  # type: ignore[arg-type]
         daemon.config = {"guard": {"max_steps": 50}, "budget_usd": 1.0}
