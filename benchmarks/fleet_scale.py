@@ -43,11 +43,9 @@ import httpx
 from benchmarks.stack import (
     REPO,
     BenchmarkError,
-    BenchOrg,
     RawHttp,
     ServedPlane,
     bench_database,
-    create_org,
     host_cpu_busy_s,
     kill_stage_totals,
     load_average,
@@ -61,6 +59,7 @@ from benchmarks.stack import (
     until,
 )
 from covey.logs import configure as configure_logs
+from covey.testing.plane import OrgTokens, create_org
 
 DAEMON = [sys.executable, str(Path(__file__).with_name("holding_daemon.py"))]
 # Private memory of one daemon on this machine (an interpreter with websockets): about 13 MiB.
@@ -106,12 +105,12 @@ class Report:
 
 @dataclass(frozen=True)
 class Fleet:
-    org: BenchOrg
+    org: OrgTokens
     agent_ids: list[uuid.UUID]
     task_ids: list[uuid.UUID]
 
 
-async def start_fleet(plane: ServedPlane, db: asyncpg.Pool, org: BenchOrg, size: int,
+async def start_fleet(plane: ServedPlane, db: asyncpg.Pool, org: OrgTokens, size: int,
                       batch: int, timeout: float) -> Fleet:
     """`size` agents with a hold task each, created through the API `batch` at a time; each
     batch is working before the next one starts (a thousand interpreters starting at once
@@ -273,23 +272,24 @@ async def run(options: argparse.Namespace, command: str) -> Report:
                         "sizes": options.sizes, "rounds": options.rounds,
                         "batch": options.batch, "lease_ms": options.lease_ms,
                         "tick_ms": options.tick_ms,
-                        "baseline": str(options.baseline) if options.baseline else None})
+                        "baseline": str(options.baseline) if options.baseline else None,
+                        "baseline_env": options.baseline_env})
     env = {"COVEY_TICK_MS": str(options.tick_ms), "COVEY_LEASE_MS": str(options.lease_ms),
            "COVEY_LOG_LEVEL": options.log_level,
            # A thousand interpreters starting on two cores may take longer than a minute.
            "COVEY_DAEMON_TOKEN_TTL_S": "600"}
-    codes: list[tuple[str, Path]] = [("after", REPO)]
-    if options.baseline:
-        codes.insert(0, ("before", options.baseline))
+    codes: list[tuple[str, Path, dict[str, str]]] = [("after", REPO, {})]
+    if options.baseline or options.baseline_env:
+        codes.insert(0, ("before", options.baseline or REPO, options.baseline_env))
     async with contextlib.AsyncExitStack() as stack:
         server_url = await stack.enter_async_context(postgres_server(options.database_url))
         planes: dict[str, tuple[ServedPlane, asyncpg.Pool]] = {}
-        for code, repo in codes:  # both planes up for the whole run; one fleet at a time
+        for code, repo, extra in codes:  # both planes up for the whole run; one fleet at a time
             data_dir = stack.enter_context(
                 tempfile.TemporaryDirectory(prefix=f"covey-bench-scale-{code}-"))
             database_url = await stack.enter_async_context(bench_database(server_url))
             plane = await stack.enter_async_context(
-                served_plane(database_url, Path(data_dir), DAEMON, env, repo=repo))
+                served_plane(database_url, Path(data_dir), DAEMON, {**env, **extra}, repo=repo))
             db = await asyncpg.create_pool(database_url, min_size=1, max_size=4)
             assert db is not None
             stack.push_async_callback(db.close)
@@ -298,7 +298,7 @@ async def run(options: argparse.Namespace, command: str) -> Report:
         for i, size in enumerate(options.sizes):
             # Alternate which code goes first, so that a drift of the host's load does not
             # always favour the same one.
-            for code, _ in (codes if i % 2 == 0 else codes[::-1]):
+            for code, _, _ in (codes if i % 2 == 0 else codes[::-1]):
                 plane, db = planes[code]
                 need = size * DAEMON_MIB + 1024
                 if memory_available_mib() < need:
@@ -317,7 +317,7 @@ async def run(options: argparse.Namespace, command: str) -> Report:
                     print(render_kill(kill), flush=True)
     report.machine["loadavg_at_end"] = load_average()
     smallest, largest = str(min(options.sizes)), str(max(options.sizes))
-    for code, _ in codes:
+    for code, _, _ in codes:
         medians = report.answer_median_ms[code] = {}
         for size in options.sizes:
             answers = [k.to_answer_ms for k in report.kills
@@ -374,8 +374,15 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline", type=Path,
                    help="a checkout of the code to compare with (e.g. `git archive main` "
                         "unpacked): its plane runs beside this one's, each size on both")
+    p.add_argument("--baseline-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="run the baseline plane (this checkout unless --baseline) with this "
+                        "setting too, e.g. COVEY_SANDBOX_CPU_GROUP=off; repeatable")
     p.add_argument("--json", type=Path, help="write every figure here")
     options = p.parse_args(argv)
+    pairs = [item.partition("=") for item in options.baseline_env]
+    if any(not name or not eq for name, eq, _ in pairs):
+        p.error("--baseline-env takes NAME=VALUE")
+    options.baseline_env = {name: value for name, _, value in pairs}
     if not options.sizes or min(options.sizes) < 1 or options.rounds < 1 or options.batch < 1:
         p.error("--sizes, --rounds and --batch must be positive")
     return options

@@ -1,8 +1,8 @@
 """The benchmarks' sandbox daemon: speaks the real protocol over a real WebSocket, started
 by the real `process` sandbox backend, holds the task it is given until it is killed, and on
 `kill` confirms it (`kill_ack`), hangs up and exits 3 at once, without the interpreter's
-teardown, as covey/coveyd.py does (and tests/support/scripted_daemon.py with
-SCRIPTED_DAEMON_PLAIN_KILL=1; benchmarks do not import tests/).
+teardown, as covey/coveyd.py does (and covey/testing/scripted_daemon.py with
+SCRIPTED_DAEMON_PLAIN_KILL=1, which writes down every message it sends and receives).
 
 It writes down one thing: the wall-clock ns at which it read its `kill`, in
 $HOME/kill_received (the sandbox's work folder, kept by the runner as evidence), so that the
@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 import websockets
+
+from covey.coveyd import step_aside
 
 EXIT_KILLED = 3
 
@@ -42,6 +44,7 @@ async def main() -> int:
                 await ws.send(json.dumps({"type": "kill_ack", "payload": {
                     "stop": "kill", "exit_code": EXIT_KILLED, "detail": "reason kill-switch"}}))
                 ws.transport.abort()
+                step_aside()
                 os._exit(EXIT_KILLED)
             if kind == "sleep":
                 return 0

@@ -3,9 +3,10 @@
     bash scripts/setup && .venv/bin/python -m benchmarks.kill_latency [--kills 200] \
         [--fleet-agents 200] [--fleet-rounds 3] [--json PATH]
 
-One real control plane (uvicorn on a loopback port, tests.support.plane.start_plane) on an
-embedded Postgres (pgserver, as tests/conftest.py does), whose `process` sandbox backend starts
-one scripted daemon per session (tests/support/scripted_daemon.py). Three measurements:
+One real control plane (uvicorn on a loopback port, covey.testing.plane.start_plane: the
+in-process stack the tests use too) on an embedded Postgres (pgserver, as tests/conftest.py
+does), whose `process` sandbox backend starts one scripted daemon per session
+(covey/testing/scripted_daemon.py). Three measurements:
 
 1. Agent kills, one at a time: each agent has a running session holding a "hold" task. From
    time.time_ns() just before POST /api/v1/agents/{id}/kill to (a) the daemon holding the
@@ -64,12 +65,10 @@ from benchmarks.stack import (
 )
 from covey.config import Settings
 from covey.logs import configure as configure_logs
-from tests.support import plane as plane_support
-from tests.support.plane import Org, Plane, World, make_world, start_plane
+from covey.testing import SCRIPTED_DAEMON
+from covey.testing.plane import Org, Plane, World, make_world, start_plane
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPTED_DAEMON = [sys.executable,
-                   str(Path(plane_support.__file__).with_name("scripted_daemon.py"))]
 # The message the floor sends: as long as a real `kill`.
 FLOOR_MESSAGE = json.dumps({"type": "kill", "payload": {"reason": "kill-switch",
                                                         "sent_at_ns": time.time_ns()}})

@@ -1,8 +1,10 @@
 """Set-up shared by the benchmarks (none of them imports tests/): a Postgres server and a
-database of its own, a control plane served by `covey serve` in a process of its own, an
-organisation with one API token per role, a bare HTTP client for the timed requests. The
-Postgres server and databases come from harness/postgres.py and the percentiles from the
-harness's HDR histogram (harness/measure.py), as for the tests and the game days."""
+database of its own, a control plane served by `covey serve` in a process of its own, a bare
+HTTP client for the timed requests. The Postgres server and databases come from
+harness/postgres.py and the percentiles from the harness's HDR histogram
+(harness/measure.py), as for the tests and the game days; free ports, organisations with one
+API token per role and the in-process control plane come from covey.testing, as for the
+tests."""
 
 from __future__ import annotations
 
@@ -12,19 +14,17 @@ import json
 import os
 import platform
 import shlex
-import socket
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from covey.testing.plane import free_port
 from harness.measure import percentile_ms as percentile
 from harness.postgres import database_of_its_own
 from harness.postgres import postgres_server as postgres_server  # the benchmarks' server
@@ -126,12 +126,6 @@ def load_average() -> str:
 # ---------------------------------------------------------------- a served control plane
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class ServedPlane:
     """`covey serve` in a process of its own: its memory and CPU are its own, and the
@@ -199,34 +193,6 @@ async def served_plane(database_url: str, data_dir: Path, daemon_command: list[s
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
-
-
-@dataclass(frozen=True)
-class BenchOrg:
-    id: uuid.UUID
-    tokens: dict[str, str]  # role -> bearer token
-
-
-async def create_org(db: asyncpg.Pool, name: str,
-                     roles: tuple[str, ...] = ("org_admin", "security")) -> BenchOrg:
-    """An organisation with one human and one API token per role, written straight into
-    the database (as an operator's bootstrap would)."""
-    from covey.security import hash_password, new_token, token_hash
-
-    org_id = uuid.uuid4()
-    await db.execute("INSERT INTO organizations (id, name) VALUES ($1, $2)", org_id, name)
-    password = hash_password("correct horse battery")
-    tokens = {}
-    for role in roles:
-        human_id = uuid.uuid4()
-        await db.execute(
-            "INSERT INTO humans (id, org_id, email, password_hash, role) VALUES ($1,$2,$3,$4,$5)",
-            human_id, org_id, f"{role}@{name}.bench", password, role)
-        token = new_token("cvt")
-        await db.execute("INSERT INTO api_tokens (token_hash, human_id, name) VALUES ($1,$2,$3)",
-                         token_hash(token), human_id, "benchmark")
-        tokens[role] = token
-    return BenchOrg(org_id, tokens)
 
 
 def host_cpu_busy_s() -> float:

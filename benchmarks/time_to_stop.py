@@ -9,17 +9,20 @@ task (GameDay.agent: its game-day limits are out of reach of a long run). Once e
 `in_progress`, security pulls the fleet switch (`POST /api/v1/fleet/kill` through
 GameDay.operate); once every sandbox is gone the game day is judged (GameDay.judge) and the
 `kill_fleet` time-to-stop samples are summarised per part (harness.measure): kill acknowledged,
-last agent action, daemon exit, sandbox gone, tasks requeued, total. Daemon exit and sandbox
-gone are the control plane's `ended_at` of each sandbox (Postgres's clock, same host as ours).
-Beside them: coveyd's own log (when it heard the kill, when it said it was exiting) and, on the
+last agent action, daemon exit, sandbox gone, tasks requeued, total. Daemon exit is the
+control plane's `daemon_exited_at` of each sandbox (its daemon's process reaped, or its
+container's death as the Docker engine saw it), sandbox gone its `gone_at` (every process of
+it reaped, its container removed): two instants, measured apart, on this host's clock. Beside
+them: coveyd's own log (when it heard the kill, when it said it was exiting) and, on the
 containers stack, the `die` event of each sandbox container (the Docker engine's clock, same
 host).
 
 On the containers stack, in the same run and on the same kind of sandbox containers, the blunt
 instruments follow: the fleet is resumed, and once every agent works again each running sandbox
 container of the game day is killed with `docker kill` (all at once, one thread each), timed
-from the instant before the first call to each container's `die` event. The control plane sees
-daemons lost, requeues and wakes the agents; once they all work again the same is done with
+from the instant before the first call to each container's `die` event, and to the control
+plane's `daemon_exited_at` and `gone_at` of each sandbox. The control plane sees daemons
+lost, requeues and wakes the agents; once they all work again the same is done with
 `docker stop` (default timeout, 10 s). Bounded everywhere: every wait has a deadline, the whole
 run has --max-seconds, traffic goes to 127.0.0.1 and the stacks' own containers only.
 """
@@ -119,7 +122,9 @@ class BluntStop:
     call_started_ns: list[int] = field(default_factory=list)  # each call's start after t0
     call_returned_ns: list[int] = field(default_factory=list)  # each call's return after t0
     exit_codes: dict[str, int] = field(default_factory=dict)
-    plane_gone: dict[str, float] = field(default_factory=dict)  # t0 -> plane's ended_at, ms
+    plane_exited: dict[str, float] = field(default_factory=dict)  # t0 -> daemon_exited_at, ms
+    plane_exited_ns: list[int] = field(default_factory=list)
+    plane_gone: dict[str, float] = field(default_factory=dict)  # t0 -> plane's gone_at, ms
     plane_gone_ns: list[int] = field(default_factory=list)
     plane_exit_codes: dict[str, int] = field(default_factory=dict)
     actions_after_call: int = 0  # puppet ledger entries between t0 and the container's death
@@ -188,11 +193,16 @@ async def wait_working(day: GameDay, deadline_s: float, what: str) -> None:
     await eventually(working, deadline_s, f"{what}: not every task in progress", interval=0.25)
 
 
+def is_gone(sandbox: dict[str, Any]) -> bool:
+    """Over for the control plane, and nothing of it left: its gone_at is recorded."""
+    return sandbox["state"] not in LIVE and bool(sandbox.get("gone_at"))
+
+
 async def wait_no_live_sandbox(day: GameDay, deadline_s: float, what: str) -> None:
     async def gone() -> bool:
-        return not any(s["state"] in LIVE for rows in (await sandboxes(day)).values()
-                       for s in rows)
-    await eventually(gone, deadline_s, f"{what}: a sandbox kept running", interval=0.1)
+        return all(is_gone(s) for rows in (await sandboxes(day)).values() for s in rows)
+    await eventually(gone, deadline_s, f"{what}: a sandbox kept running (no gone_at)",
+                     interval=0.1)
 
 
 # ---------------------------------------------------------------- the Docker side
@@ -386,17 +396,20 @@ async def blunt_stop(day: GameDay, client: Any, gameday: str, instrument: str, n
             acting.add(agent_of[cid])
     result.agents_acting_after_call = len(acting)
 
-    # The control plane's view: those sandboxes gone (ended_at), then every agent back at work.
+    # The control plane's view: those daemons exited and sandboxes gone, then every agent back
+    # at work.
     killed = set(sandbox_of.values())
 
     async def plane_saw() -> list[dict[str, Any]]:
         rows = [s for boxes in (await sandboxes(day)).values() for s in boxes
                 if s["id"] in killed]
         return rows if len(rows) == len(killed) and all(
-            s["state"] not in LIVE and s.get("ended_at") for s in rows) else []
+            is_gone(s) and s.get("daemon_exited_at") for s in rows) else []
     rows = await eventually(plane_saw, deadline_s, f"{instrument}: the control plane did not "
-                            "see every sandbox gone", interval=0.1)
-    result.plane_gone_ns = sorted(iso_ns(s["ended_at"]) - t0 for s in rows)
+                            "see every daemon exit and every sandbox gone", interval=0.1)
+    result.plane_exited_ns = sorted(iso_ns(s["daemon_exited_at"]) - t0 for s in rows)
+    result.plane_exited = figures(result.plane_exited_ns)
+    result.plane_gone_ns = sorted(iso_ns(s["gone_at"]) - t0 for s in rows)
     result.plane_gone = figures(result.plane_gone_ns)
     result.plane_exit_codes = dict(Counter(str(s["exit_code"]) for s in rows))
     await wait_working(day, deadline_s, f"after {instrument}")
@@ -477,7 +490,8 @@ async def fleet_stop(stack: Stack, n: int, seed: int, report_dir: Path,
 
             verdicts, samples, final = await day.judge()
             stopped = [sb["id"] for rows in (await sandboxes(day)).values() for sb in rows
-                       if sb.get("ended_at") and iso_ns(sb["ended_at"]) >= invoked_ns]
+                       if sb.get("daemon_exited_at")
+                       and iso_ns(sb["daemon_exited_at"]) >= invoked_ns]
             logs = [daemon_log(sb, stack.name == "containers") for sb in stopped]
             heard = [g.heard_kill_ns - invoked_ns for g in logs if g and g.heard_kill_ns]
             exiting = [g.exiting_ns - invoked_ns for g in logs if g and g.exiting_ns]
@@ -626,11 +640,13 @@ def render(report: Report) -> str:
                 ("fleet kill -> coveyd exiting (own log)", r.daemon_exiting, ""),
                 ("fleet kill -> container dead (die event)", r.container_dead,
                  f"exit {r.container_exit_codes}"),
+                ("fleet kill -> daemon_exit (plane)", r.parts.get("daemon_exit"), ""),
                 ("fleet kill -> sandbox_gone (plane)", gone, "")]
             for b in r.blunt:
                 rows.append((f"{b.instrument} -> container dead (die event)", b.dead,
                              f"exit {b.exit_codes}; {b.actions_after_call} actions by "
                              f"{b.agents_acting_after_call} agents after the call"))
+                rows.append((f"{b.instrument} -> daemon exit (plane)", b.plane_exited, ""))
                 rows.append((f"{b.instrument} -> sandbox gone (plane)", b.plane_gone,
                              f"all working again after {b.working_again_after_s:.1f}s"))
             for name, s, extra in rows:

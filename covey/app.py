@@ -36,6 +36,7 @@ from covey.api import (
 from covey.api.deps import AnyRole
 from covey.api.openapi import document
 from covey.config import Settings
+from covey.cpu_group import make_cpu_group
 from covey.db import create_pool, migrate
 from covey.embedded_postgres import EmbeddedPostgres, attach, release
 from covey.hub import DaemonHub
@@ -232,7 +233,8 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
                                       {"covey.node": node, "covey.gameday": settings.gameday},
                                       settings.data_dir / "logs")
         else:
-            provider = ProcessProvider(settings.daemon_command, settings.data_dir / "logs")
+            provider = ProcessProvider(settings.daemon_command, settings.data_dir / "logs",
+                                       make_cpu_group(settings.sandbox_cpu_group))
         orch.runner = Runner(pool, provider, settings.data_dir, node, settings.kill_grace_s,
                              orch.sandbox_exited, settings.warm_sync_s, settings.warm_idle_s)
         orch.hand_over = functools.partial(daemon.hand_over, orch)

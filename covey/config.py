@@ -58,6 +58,8 @@ class Settings:
     read_concurrency: int = 8
     read_queue: int = 32
     switch_connections: int = 4
+    # "auto": the process sandboxes share one CPU cgroup where one can be made (covey/cpu_group.py).
+    sandbox_cpu_group: str = "auto"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -78,6 +80,9 @@ class Settings:
         if log_level not in LOG_LEVELS:
             raise ConfigError(f"COVEY_LOG_LEVEL={env['COVEY_LOG_LEVEL']!r}: use one of "
                               f"{', '.join(level.lower() for level in LOG_LEVELS)}")
+        cpu_group = env.get("COVEY_SANDBOX_CPU_GROUP", "auto")
+        if cpu_group not in ("auto", "off"):
+            raise ConfigError(f"COVEY_SANDBOX_CPU_GROUP={cpu_group!r}: use 'auto' or 'off'")
         return cls(
             database_url=env.get("DATABASE_URL") or None,
             data_dir=Path(env.get("COVEY_DATA_DIR", ".covey")).absolute(),
@@ -101,4 +106,5 @@ class Settings:
             read_concurrency=_int_env(env, "COVEY_READ_CONCURRENCY", 8, 1),
             read_queue=_int_env(env, "COVEY_READ_QUEUE", 32, 0),
             switch_connections=_int_env(env, "COVEY_SWITCH_CONNECTIONS", 4, 1),
+            sandbox_cpu_group=cpu_group,
         )

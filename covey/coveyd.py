@@ -37,6 +37,8 @@ log = logging.getLogger("coveyd")
 EXIT_SLEEP, EXIT_ERROR, EXIT_TRIPPED, EXIT_KILLED = 0, 1, 2, 3
 # How long a stopping daemon waits for its cancelled run to end before it exits anyway.
 WORK_END_S = 1.0
+# How far a daemon whose kill is confirmed lowers its priority for its exit (step_aside).
+STEP_ASIDE_NICE = 10
 # How long the last word may hold up the exit: the channel may be the very thing that is cut.
 LAST_WORD_S = 0.2
 # Each model request carries when the daemon sent it, in nanoseconds of the wall clock
@@ -183,6 +185,7 @@ class Daemon:
                 with contextlib.suppress(websockets.ConnectionClosed, TimeoutError):
                     await asyncio.wait_for(self.send("kill_ack", {
                         **stop.payload(), "acked_ns": time.time_ns()}), 1.0)
+                step_aside()
                 self.finish(stop.kind, stop.exit_code, stop.detail)
                 return
             if kind == "sleep":
@@ -396,6 +399,16 @@ async def run(env: Env) -> int:
             logging.shutdown()
             os._exit(code)
         return code
+
+
+def step_aside() -> None:
+    """Once its kill is confirmed, a daemon's exit waits for the sandboxes still to read
+    theirs: in a fleet kill every daemon is woken at once, and the plane's answer waits for
+    the last confirmation, not for the exits. Sandboxes that share a CPU group
+    (covey/cpu_group.py) weigh each other by nice value; lowered this far an exit still
+    ends within milliseconds of CPU, far inside the runner's grace."""
+    with contextlib.suppress(OSError):
+        os.nice(STEP_ASIDE_NICE)
 
 
 def main() -> None:

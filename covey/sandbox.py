@@ -21,6 +21,7 @@ from uuid import UUID, uuid4
 
 import structlog
 
+from covey.cpu_group import CpuGroup
 from covey.db import BatchedWrite, Pool, through_outage
 
 log = structlog.get_logger(__name__)
@@ -150,9 +151,11 @@ class ProcessProvider:
 
     name = "process"
 
-    def __init__(self, command: list[str], log_dir: Path) -> None:
+    def __init__(self, command: list[str], log_dir: Path,
+                 cpu_group: CpuGroup | None = None) -> None:
         self._command = command
         self._log_dir = log_dir
+        self._cpu_group = cpu_group
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._markers: dict[str, bytes] = {}
         self._table = ProcessTable()
@@ -173,6 +176,9 @@ class ProcessProvider:
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
             )
+        if self._cpu_group is not None:
+            # At once: the daemon is still starting its interpreter, nothing forked yet.
+            self._cpu_group.join(proc.pid)
         handle = str(proc.pid)
         self._procs[handle] = proc
         self._markers[handle] = _marker(spec.sandbox_id)
@@ -216,6 +222,8 @@ class ProcessProvider:
     async def close(self) -> None:
         for handle in list(self._procs):
             await self.destroy(handle)
+        if self._cpu_group is not None:
+            self._cpu_group.remove()
 
 
 def _resolve(future: asyncio.Future[DaemonExit], exit_: DaemonExit) -> None:

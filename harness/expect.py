@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import httpx
+
 from harness.client import json_of
 from harness.isolation import strangers_stopped
 
@@ -106,6 +108,45 @@ class Expect:
                         ("the external trigger", await admin.trigger(triggered))):
             rule((r.status_code, r.json()) == (409, STOPPED),
                  f"{what} was not refused during the fleet stop: {r.status_code} {r.text}")
+
+    def honest_answer(self, answer: httpx.Response, what: str) -> None:
+        """An answer given while a fault stands: it took effect (200) or said it could not
+        (503, with a hint to act on); nothing else."""
+        rule(answer.status_code in (200, 503),
+             f"{what} answered {answer.status_code} {answer.text[:200]}: it must take "
+             "effect (200) or say it could not (503)")
+        if answer.status_code == 503:
+            rule(bool(json_of(answer, 503).get("hint")), f"the 503 of {what} gives no hint")
+
+    async def fleet_stopped_after(self, security: Operator, answer: httpx.Response,
+                                  fault: str) -> None:
+        """Once `fault` is over, the fleet stop pulled during it stands: a kill refused
+        honestly then (503) works now, and one that answered 200 did not do nothing."""
+        if answer.status_code == 503:
+            rule((await security.kill_fleet()).status_code == 200,
+                 f"the fleet kill failed after {fault} was over")
+        rule(bool(json_of(await self.auditor.fleet())["fleet_killed"]),
+             f"a fleet kill answered 200 during {fault}, yet the fleet is not stopped: a 200 "
+             "that did nothing")
+
+    async def no_model_call_between(self, agents: Iterable[dict[str, Any]], after_ns: int,
+                                    before_ns: int | None, broken: str) -> None:
+        """The puppet's ledger, outside the system under test: no agent called its model
+        after `after_ns` (and before `before_ns`). `broken` says which rule a call breaks;
+        the calls per agent follow it."""
+        late = {}
+        for a in agents:
+            calls = [e for e in await self.day.endpoints.puppet.actions(a["id"])
+                     if after_ns < e.at_ns and (before_ns is None or e.at_ns < before_ns)]
+            if calls:
+                late[a["id"]] = len(calls)
+        rule(not late, f"{broken} ({late})")
+
+    async def nothing_in_progress(self, after: str) -> None:
+        """No task of the game day is in progress any more."""
+        left = [t["id"] for t in (await self.day.read_tasks()).values()
+                if t["state"] == "in_progress"]
+        rule(not left, f"{after} left tasks in progress: {left}")
 
     async def only_security_holds_the_fleet_switch(self) -> None:
         """org_admin and controlling were told; the roles without the switch get 403."""

@@ -19,6 +19,7 @@ from harness.waiting import eventually
 
 if TYPE_CHECKING:
     from harness.gameday import GameDay
+    from harness.nemesis import FaultRecord
 
 AgentRef = dict[str, Any] | str
 LIVE_SANDBOX = ("starting", "running")
@@ -158,6 +159,22 @@ class Until:
                         message: str) -> Any:
         """Any other outcome the scenario waits for, with the rule it shows as `message`."""
         return await eventually(check, deadline_s, message)
+
+    async def fault_healed(self, fault: FaultRecord, deadline_s: float, what: str
+                           ) -> FaultRecord:
+        """The nemesis healed this fault (at its deadline, or earlier); returns the healed
+        record, with when it healed."""
+        async def healed() -> FaultRecord | None:
+            return next((r for r in self.day.endpoints.nemesis.faults()
+                         if r.id == fault.id and r.healed), None)
+        record: FaultRecord = await eventually(healed, deadline_s, f"{what} never healed")
+        return record
+
+    async def healthy(self, deadline_s: float, message: str) -> None:
+        """The control plane answers its /healthz with 200 (it reached its database)."""
+        async def answers() -> bool:
+            return (await self.day.people["auditor"].http.get("/healthz")).status_code == 200
+        await eventually(answers, deadline_s, message)
 
     async def all_tasks_done_of(self, agents: list[AgentRef]) -> bool:
         """One look (not a wait): is every task of these agents done?"""

@@ -69,9 +69,7 @@ async def test_control_channel_cut(gameday: GameDay, agents_per_game_day: int) -
         # Stop the fleet on working agents: each task in progress (read just above) must be
         # open again right after the kill's ok, read here, so the requeue can be judged.
         assert (await security.kill_fleet()).status_code == 200, "the fleet stop was refused"
-        in_progress = [t["id"] for t in (await day.read_tasks()).values()
-                       if t["state"] == "in_progress"]
-        assert not in_progress, f"the fleet stop left tasks in progress: {in_progress}"
+        await day.expect.nothing_in_progress("the fleet stop")
 
         # End the game day: behave, resume the fleet, and every task ends done once.
         await day.expect.work_done_after_fleet_resume(security, agents)

@@ -16,7 +16,6 @@ import time
 
 import pytest
 
-from harness.client import json_of
 from harness.gameday import GameDay
 from harness.nemesis import FaultRecord
 
@@ -49,42 +48,20 @@ async def test_database_outage(gameday: GameDay, outage: str,
         # The switch pulled in the dark: the answer comes when it comes (a paused database
         # holds the request until it is back).
         kill = await security.kill_fleet()
-        assert kill.status_code in (200, 503), (
-            f"a fleet kill during a database outage answered {kill.status_code} "
-            f"{kill.text[:200]}: it must take effect (200) or say it could not (503)")
-        if kill.status_code == 503:
-            assert json_of(kill, 503).get("hint"), "the 503 of the kill gives no hint"
-
-        async def healed() -> FaultRecord | None:
-            return next((r for r in nemesis.faults() if r.id == fault.id and r.healed), None)
-        database_back = await day.until.condition(healed, OUTAGE_S + 60,
-                                                  "the database outage never healed")
-
-        async def back() -> bool:
-            return (await day.people["auditor"].http.get("/healthz")).status_code == 200
-        await day.until.condition(back, 60, "the control plane never reconnected to its "
-                                  "database after the outage")
+        day.expect.honest_answer(kill, "a fleet kill during a database outage")
+        database_back = await day.until.fault_healed(fault, OUTAGE_S + 60,
+                                                     "the database outage")
+        await day.until.healthy(60, "the control plane never reconnected to its database "
+                                "after the outage")
         # Recovery: from the database back (its heal done) to the control plane healthy.
         day.measurements["recovery_s"] = max(
             0.0, (time.time_ns() - (database_back.healed_ns or 0)) / 1e9)
         day.notes.append(f"the fleet kill during the {outage} answered {kill.status_code}")
-        if kill.status_code == 503:  # refused honestly: now it must work
-            assert (await security.kill_fleet()).status_code == 200, (
-                "the fleet kill failed after the database came back")
-        fleet = json_of(await day.people["auditor"].fleet())
-        assert fleet["fleet_killed"], (
-            "a fleet kill answered 200 during the database outage, yet the fleet is not "
-            "stopped: a 200 that did nothing")
+        await day.expect.fleet_stopped_after(security, kill, "the database outage")
 
-        late = {a["id"]: [e.at_ns for e in await day.endpoints.puppet.actions(a["id"])
-                          if cut_off_ns < e.at_ns < (fault.heals_at_ns or 0)]
-                for a in agents}
-        assert not any(late.values()), (
+        await day.expect.no_model_call_between(
+            agents, cut_off_ns, fault.heals_at_ns or 0,
             f"agents kept calling their model more than the lease ({day.lease_s} s) + "
-            f"{MARGIN_S} s into the database outage: the lease did not fail closed "
-            f"({ {a: len(t) for a, t in late.items() if t} })")
-        in_progress = [t["id"] for t in (await day.read_tasks()).values()
-                       if t["state"] == "in_progress"]
-        assert not in_progress, f"the fleet stop left tasks in progress: {in_progress}"
-
+            f"{MARGIN_S} s into the database outage: the lease did not fail closed")
+        await day.expect.nothing_in_progress("the fleet stop")
         await day.expect.work_done_after_fleet_resume(security, agents)

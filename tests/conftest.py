@@ -16,11 +16,12 @@ import pytest
 import uvicorn
 
 from covey.db import migrate
+from covey.testing import SCRIPTED_DAEMON
+from covey.testing.plane import Plane, World, free_port, make_world, start_plane
 from harness.postgres import create_database, database_of_its_own, postgres_server
 from harness.puppet import Puppet, create_app
-from tests.support.plane import Plane, World, eventually, free_port, make_world, start_plane
+from harness.waiting import eventually
 
-SCRIPTED_DAEMON = [sys.executable, str(Path(__file__).parent / "support" / "scripted_daemon.py")]
 COVEYD = [sys.executable, "-m", "covey.coveyd"]
 
 

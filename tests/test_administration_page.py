@@ -13,8 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
+from covey.testing.plane import World
 from harness.browser import chromium, click, pull_fleet_switch, screenshot_dir, sign_in
-from tests.support.plane import World, eventually
+from harness.waiting import eventually
 
 PASSWORD = "correct horse battery"
 

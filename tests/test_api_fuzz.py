@@ -27,9 +27,9 @@ import pytest
 import schemathesis
 from schemathesis.config import SchemathesisConfig
 
+from covey.testing import SCRIPTED_DAEMON
+from covey.testing.plane import free_port
 from harness.postgres import create_database, drop_database
-from tests.conftest import SCRIPTED_DAEMON
-from tests.support.plane import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import websockets
 
-from tests.support.plane import World, platform_admin_client
+from covey.testing.plane import World, platform_admin_client
 
 
 def _is_error(body: Any) -> bool:

@@ -4,7 +4,6 @@ which works tasks against a scripted OpenAI-compatible endpoint through its guar
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from covey.testing import ACTS_AFTER_ACK
+from covey.testing.plane import Plane, World, free_port, make_world, start_plane
 from harness.checkers import (
     KILL_DELIVERY_F,
     FinalState,
@@ -26,10 +27,8 @@ from harness.history import History
 from harness.load.kills import acknowledged_at, late_requests
 from harness.nemesis import FaultProxy
 from harness.puppet import Puppet
+from harness.waiting import eventually
 from tests.conftest import COVEYD
-from tests.support.plane import Plane, World, eventually, free_port, make_world, start_plane
-
-ACTS_AFTER_ACK = [sys.executable, str(Path(__file__).parent / "support" / "acts_after_ack.py")]
 
 
 @pytest.fixture

@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
+from covey.testing.plane import World, free_port, make_world, start_plane
 from harness.nemesis import FaultProxy
 from harness.puppet import Puppet
-from tests.support.plane import World, eventually, free_port, make_world, start_plane
+from harness.waiting import eventually
 
 pytestmark = pytest.mark.docker
 IMAGE = os.environ.get("COVEY_SANDBOX_IMAGE", "covey-gameday:latest")
@@ -53,7 +54,7 @@ async def _gone_sandbox(world: World, agent_id: str) -> dict[str, Any]:
 async def test_an_agent_works_a_task_in_a_container(dworld: World, docker_client: Any) -> None:
     agent = await dworld.agent()
     task = await dworld.task(agent["id"], "model:well_behaved")
-    await dworld.wait_task(task["id"], "done", timeout=60)
+    await dworld.wait_task(task["id"], "done", deadline_s=60)
     sandbox = await _gone_sandbox(dworld, agent["id"])
     assert sandbox["backend"] == "docker" and sandbox["exit_code"] == 0
     assert _containers(docker_client, dworld) == []
@@ -127,7 +128,7 @@ async def test_cutting_the_channel_stops_a_containerised_agent_within_the_lease(
 async def test_a_kill_evicts_a_parked_warm_sandbox(dworld: World, docker_client: Any) -> None:
     agent = await dworld.agent(warm_sandbox=True)
     task = await dworld.task(agent["id"], "model:well_behaved")
-    await dworld.wait_task(task["id"], "done", timeout=60)
+    await dworld.wait_task(task["id"], "done", deadline_s=60)
 
     async def parked() -> dict[str, Any] | None:
         rows = (await dworld.org_admin.get(f"/api/v1/agents/{agent['id']}/sandboxes")).json()

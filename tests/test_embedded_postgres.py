@@ -23,7 +23,8 @@ import psutil
 import pytest
 
 from covey.config import ConfigError, Settings
-from tests.support.plane import eventually, free_port
+from covey.testing.plane import free_port
+from harness.waiting import eventually
 
 pytestmark = pytest.mark.slow
 

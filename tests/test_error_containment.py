@@ -15,7 +15,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 
 from covey import errors
-from tests.support.plane import eventually, free_port
+from covey.testing.plane import free_port
+from harness.waiting import eventually
 
 TRIGGER_TOKEN = "cvtr_" + "S3cretTriggerToken" * 2
 API_TOKEN = "cvt_" + "S3cretApiToken" * 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from tests.support.plane import World
+from covey.testing.plane import World
 
 
 async def test_the_fleet_read_names_who_pulled_the_standing_stop(world: World) -> None:

@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
+from covey.testing.plane import World, make_world, platform_admin_client, start_plane
 from harness import puppet as puppet_module
 from harness.puppet import Puppet, _call, _reply
+from harness.waiting import eventually
 from tests.conftest import COVEYD
-from tests.support.plane import World, eventually, make_world, platform_admin_client, start_plane
 
 REFUSED = "kill flag set for tool shell"
 

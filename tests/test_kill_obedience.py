@@ -8,10 +8,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from covey.testing.plane import World
 from harness.checkers import KILL_DELIVERY_F, FinalState, Verdict, kill_obeyed
 from harness.gameday import kill_delivery
 from harness.history import History
-from tests.support.plane import World, eventually
+from harness.waiting import eventually
 
 
 async def _kill_and_judge(world: World, body: str) -> tuple[dict[str, Any], dict[str, Any],

@@ -16,8 +16,9 @@ import asyncpg
 import pytest
 import websockets
 
+from covey.testing import SCRIPTED_DAEMON
+from covey.testing.plane import World, make_world, start_plane
 from harness.waiting import eventually
-from tests.support.plane import World
 
 
 async def _sandbox_with_token(world: World) -> tuple[dict[str, Any], str, uuid.UUID]:
@@ -177,9 +178,6 @@ async def test_sandboxes_that_do_not_exit_within_the_grace_are_destroyed(
     destroys its sandbox: one timer for the whole fleet kill. Deaf daemons (they ignore
     `kill`) under a 20 s lease would live on for up to 20 s; with a 0.5 s grace their
     sandboxes are gone long before, killed (-9), not exited 3."""
-    from tests.conftest import SCRIPTED_DAEMON
-    from tests.support.plane import make_world, start_plane
-
     async with start_plane(database_url, tmp_path / "replica", SCRIPTED_DAEMON,
                            lease_ms=20_000, kill_grace_s=0.5) as plane, \
             make_world(plane) as world:

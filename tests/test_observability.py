@@ -7,7 +7,7 @@ import json
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.plane import World
+from covey.testing.plane import World
 
 
 async def test_status_changes_stream_as_server_sent_events(world: World) -> None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-from tests.conftest import SCRIPTED_DAEMON
-from tests.support.plane import eventually, make_world, start_plane
+from covey.testing import SCRIPTED_DAEMON
+from covey.testing.plane import make_world, start_plane
+from harness.waiting import eventually
 
 
 async def test_kill_on_one_replica_stops_a_daemon_connected_to_the_other(

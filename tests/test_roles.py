@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from tests.support.plane import World
+from covey.testing.plane import World
 
 
 @pytest.mark.parametrize("role", ["org_admin", "security"])

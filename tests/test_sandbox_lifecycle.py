@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 
 from covey.sandbox import processes_marked
+from covey.testing.plane import World, make_world, start_plane
 from harness.puppet import Puppet
+from harness.waiting import eventually
 from tests.conftest import COVEYD
-from tests.support.plane import World, eventually, make_world, start_plane
 
 
 @pytest.fixture

@@ -7,8 +7,9 @@ import asyncio
 import uuid
 from pathlib import Path
 
-from tests.conftest import SCRIPTED_DAEMON
-from tests.support.plane import World, eventually, make_world, start_plane
+from covey.testing import SCRIPTED_DAEMON
+from covey.testing.plane import World, make_world, start_plane
+from harness.waiting import eventually
 
 STOPPED = {"error": "Agent or fleet is stopped", "hint": "resume it first."}
 
@@ -198,7 +199,7 @@ async def test_fleet_resume_wakes_at_once_and_leaves_individually_killed_agents(
         assert set(body["agents_released"]) == {a["id"] for a in fleet_only}
         assert set(body["agents_woken"]) == {a["id"] for a in fleet_only}
         for t in tasks:
-            await world.wait_task(t["id"], "done", timeout=20)
+            await world.wait_task(t["id"], "done", deadline_s=20)
         for a, origin in ((killed_alone, "agent"), (guard_stopped, "guard")):
             got = (await world.auditor.get(f"/api/v1/agents/{a['id']}")).json()
             assert (got["killed"], got["kill_origin"]) == (True, origin)
@@ -241,7 +242,7 @@ async def test_daemon_loss_requeues_with_retries_then_fails(world: World) -> Non
     after the fifth requeue the next loss fails it."""
     agent = await world.agent()
     task = await world.task(agent["id"], "crash")
-    await world.wait_task(task["id"], "failed", timeout=60)
+    await world.wait_task(task["id"], "failed", deadline_s=60)
     row = await world.db.fetchrow("SELECT daemon_retries, result FROM backlog_tasks"
                                   " WHERE id=$1", uuid.UUID(task["id"]))
     assert row["daemon_retries"] == 6
@@ -264,7 +265,7 @@ async def test_daemon_loss_during_a_stop_does_not_wake(world: World) -> None:
     await world.db.execute("UPDATE organizations SET fleet_killed=true WHERE id=$1",
                            world.org.id)
     # The daemon now dies on its own: its task is requeued, but nothing may start again.
-    await world.wait_task(task["id"], "open", timeout=20)
+    await world.wait_task(task["id"], "open", deadline_s=20)
     await asyncio.sleep(1.5)
     assert await world.db.fetchval(
         "SELECT count(*) FROM sessions WHERE agent_id=$1", uuid.UUID(agent["id"])) == 1

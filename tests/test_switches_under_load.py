@@ -9,7 +9,8 @@ import uuid
 
 import pytest
 
-from tests.support.plane import World, eventually
+from covey.testing.plane import World
+from harness.waiting import eventually
 
 pytestmark = pytest.mark.slow
 

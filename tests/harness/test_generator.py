@@ -14,7 +14,9 @@ from harness.checkers import FinalState, Verdict
 from harness.client import CoveyClient
 from harness.gameday import GameDay
 from harness.generator import faults as fault_registry
+from harness.generator import random_day
 from harness.generator.play import Played, apply
+from harness.generator.random_day import RandomDay
 from harness.generator.schedule import (
     ALLOWED,
     OPERATIONS,
@@ -181,3 +183,37 @@ async def test_shrinking_stops_at_its_run_cap_with_a_failing_schedule() -> None:
     assert shrunk.runs == 8 and not shrunk.minimal
     # Halves, then quarters, then all but one quarter: the eighth try dropped 16 steps.
     assert await fails(shrunk.items) and len(shrunk.items) == 48
+
+
+async def test_a_broken_random_day_is_shrunk_and_says_how_to_replay_both(
+        tmp_path: Path, request: pytest.FixtureRequest,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule it broke, the replay of its seed, and a shrunk schedule written beside the
+    journals with its own replay; a try that breaks another rule does not count as failing."""
+    kill = Step(2.0, "operation", "kill_fleet", "security")
+    steps = tuple(Step(float(i), "operation", "wake", "org_admin", 0) for i in range(6))
+    schedule = Schedule(seed=9, duration_s=8, agents=(AgentPlan("silent"),),
+                        steps=(*steps[:2], kill, *steps[2:]))
+    day = GameDay(name="test_random_gameday[seed9]", stack="processes",
+                  endpoints=None,  # type: ignore[arg-type]
+                  seed=9, report_dir=tmp_path, required=("no_task_lost",))
+
+    async def verdicts_of(like: GameDay, tried: Schedule) -> list[Verdict]:
+        assert like is day
+        if kill in tried.steps:
+            return [Verdict("no_task_lost", False, "a task was lost")]
+        return [Verdict("no_task_lost", True, "no task lost"),
+                Verdict("none_done_twice", False, "another rule")]
+    monkeypatch.setattr(random_day, "verdicts_of", verdicts_of)
+    monkeypatch.setattr(request.config.option, "shrink_runs", 20)
+
+    broken = await RandomDay(day, request.config, "scenarios/random_gameday.py", schedule,
+                             None).broken([Verdict("no_task_lost", False, "a task was lost")])
+    assert broken[0] == "no_task_lost: a task was lost (events none)", broken
+    assert broken[1] == ("replay: pytest scenarios/random_gameday.py --stack processes "
+                         "--seed 9 --schedules 1 --agents 1 --duration 8")
+    assert broken[2].startswith("shrunk in ") and "from 7 to 1 steps: " in broken[2], broken
+    shrunk = from_journal(str(broken[3].rsplit("--replay ", 1)[1]))
+    assert shrunk.steps == (kill,), shrunk
+    assert await RandomDay(day, request.config, "scenarios/random_gameday.py", schedule,
+                           None).broken([Verdict("no_task_lost", True, "held")]) == []

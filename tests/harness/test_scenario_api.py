@@ -74,6 +74,27 @@ async def test_stopped_by_fails_at_once_when_another_layer_stopped_the_agent(
     assert "the guard's budget layer never stopped agent a1" in str(failed.value)
 
 
+async def test_a_fleet_kill_in_a_fault_must_take_effect_or_say_it_could_not(
+        tmp_path: Path) -> None:
+    """During a fault a kill answers 200 or an honest 503 with a hint; once the fault is over
+    the fleet must stand stopped, or the 200 did nothing."""
+    day = day_with(tmp_path, lambda r: httpx.Response(200, json={"fleet_killed": False}))
+    during = "a fleet kill during a database outage"
+    for answer, broken in (
+            (httpx.Response(500, text="boom"), f"{during} answered 500 boom: it must take "
+             "effect (200) or say it could not (503)"),
+            (httpx.Response(503, json={"error": "database unavailable"}),
+             f"the 503 of {during} gives no hint")):
+        with pytest.raises(AssertionError) as failed:
+            day.expect.honest_answer(answer, during)
+        assert str(failed.value) == broken
+    day.expect.honest_answer(httpx.Response(503, json={"error": "e", "hint": "retry"}), during)
+
+    with pytest.raises(AssertionError, match="a 200 that did nothing"):
+        await day.expect.fleet_stopped_after(day.as_("security"), httpx.Response(200),
+                                             "the database outage")
+
+
 def test_markers_choose_checkers_and_measures(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_choice="""
 import pytest

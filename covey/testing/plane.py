@@ -1,16 +1,19 @@
-"""Real control planes for tests: uvicorn on a loopback port, a real database, real HTTP."""
+"""Real control planes for tests and benchmarks: uvicorn on a loopback port in this process,
+a real database, real HTTP; and a world to use them: two organisations whose humans each hold
+an API token, with a client per role."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import socket
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import asyncpg
 import httpx
@@ -20,9 +23,7 @@ from covey.app import create_app
 from covey.config import Settings
 from covey.orchestrator import Orchestrator
 from covey.security import hash_password, new_token, token_hash
-from harness.waiting import eventually
 
-T = TypeVar("T")
 ROLES = ("org_admin", "agent_owner", "security", "auditor", "controlling")
 
 
@@ -30,6 +31,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+async def until(check: Callable[[], Awaitable[bool]], deadline_s: float, message: str,
+                interval: float = 0.05) -> None:
+    """Poll check() until it is true; an AssertionError saying `message` at the deadline.
+    (The harness's `eventually` does more; covey does not import the harness.)"""
+    deadline = time.monotonic() + deadline_s
+    while not await check():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{message} (after {deadline_s:g}s)")
+        await asyncio.sleep(interval)
 
 
 @dataclass
@@ -68,7 +80,7 @@ async def start_plane(database_url: str, data_dir: Path, daemon_command: list[st
                             lifespan="on", ws="websockets-sansio", ws_per_message_deflate=False)
     server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve())
-    await eventually(lambda: _started(server, serving), 30, "control plane did not start")
+    await until(lambda: _started(server, serving), 30, "control plane did not start")
     try:
         yield Plane(f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/api/daemon/ws",
                     database_url, data_dir, app)
@@ -126,17 +138,17 @@ class World:
                                             uuid.UUID(task_id))
         return state
 
-    async def wait_task(self, task_id: str, state: str, timeout: float = 20) -> None:
+    async def wait_task(self, task_id: str, state: str, deadline_s: float = 20) -> None:
         async def reached() -> bool:
             return await self.task_state(task_id) == state
-        await eventually(reached, timeout, f"task {task_id} never became {state}")
+        await until(reached, deadline_s, f"task {task_id} never became {state}")
 
-    async def wait_working(self, agent_id: str, timeout: float = 20) -> None:
+    async def wait_working(self, agent_id: str, deadline_s: float = 20) -> None:
         async def working() -> bool:
             status = await self.db.fetchval("SELECT status FROM agents WHERE id=$1",
                                             uuid.UUID(agent_id))
             return bool(status == "working")
-        await eventually(working, timeout, f"agent {agent_id} never started working")
+        await until(working, deadline_s, f"agent {agent_id} never started working")
 
     async def snapshot(self) -> dict[str, int]:
         """Row counts of every table: bad input must leave them all unchanged."""
@@ -152,12 +164,23 @@ class World:
         return counts
 
 
-async def _org(db: asyncpg.Pool, plane: Plane, name: str, roles: tuple[str, ...],
-               clients: list[httpx.AsyncClient]) -> Org:
+@dataclass(frozen=True)
+class OrgTokens:
+    """An organisation as its people reach it: a human and a bearer API token per role."""
+
+    id: uuid.UUID
+    humans: dict[str, uuid.UUID]
+    tokens: dict[str, str]  # role -> bearer token
+
+
+async def create_org(db: asyncpg.Pool, name: str,
+                     roles: tuple[str, ...] = ("org_admin", "security")) -> OrgTokens:
+    """An organisation with one human and one API token per role, written straight into the
+    database (as an operator's bootstrap would)."""
     org_id = uuid.uuid4()
     await db.execute("INSERT INTO organizations (id, name) VALUES ($1, $2)", org_id, name)
     password = hash_password("correct horse battery")
-    humans, org_clients = {}, {}
+    humans, tokens = {}, {}
     for role in roles:
         human_id = uuid.uuid4()
         await db.execute(
@@ -167,11 +190,20 @@ async def _org(db: asyncpg.Pool, plane: Plane, name: str, roles: tuple[str, ...]
         token = new_token("cvt")
         await db.execute("INSERT INTO api_tokens (token_hash, human_id, name) VALUES ($1,$2,$3)",
                          token_hash(token), human_id, "tests")
+        humans[role], tokens[role] = human_id, token
+    return OrgTokens(org_id, humans, tokens)
+
+
+async def _org(db: asyncpg.Pool, plane: Plane, name: str, roles: tuple[str, ...],
+               clients: list[httpx.AsyncClient]) -> Org:
+    org = await create_org(db, name, roles)
+    org_clients = {}
+    for role, token in org.tokens.items():
         client = httpx.AsyncClient(base_url=plane.url, timeout=30,
                                    headers={"Authorization": f"Bearer {token}"})
         clients.append(client)
-        humans[role], org_clients[role] = human_id, client
-    return Org(org_id, humans, org_clients)
+        org_clients[role] = client
+    return Org(org.id, org.humans, org_clients)
 
 
 @asynccontextmanager

@@ -1,4 +1,4 @@
-"""A scripted sandbox daemon for the control plane's tests: speaks the real protocol over a
+"""A scripted sandbox daemon for covey's tests and benchmarks: speaks the real protocol over a
 real WebSocket, started by the real `process` sandbox backend, and writes down every message
 it sends and receives in $HOME/transcript.jsonl. What it does with a task is in the task body:
 

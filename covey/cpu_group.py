@@ -1,0 +1,100 @@
+"""One CPU share for all of a control plane's process sandboxes.
+
+Each process sandbox is a session of its own (`start_new_session`, so that a kill can take its
+whole process group), and Linux's autogroup scheduling gives every session the same share of
+the CPU as the control plane's. With a thousand sandboxes runnable at once (a fleet kill wakes
+every daemon to read its `kill` and exit) the plane got about a thousandth of the host while
+its answer was due. Placed in one CPU cgroup of their own, the sandboxes together weigh as
+much as one session: the plane keeps about half of a busy host, however many there are.
+
+This is scheduling, not containment: a sandbox is still torn down by its process group and
+its marker (covey/sandbox.py). Where no CPU cgroup can be made (not root, a cgroup v2
+hierarchy whose rules forbid it, a read-only /sys), sandboxes run as before and the plane
+says so once in its log. `COVEY_SANDBOX_CPU_GROUP=off` turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger("covey.cpu_group")
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PREFIX = "covey-sandboxes-"
+
+
+@dataclass(frozen=True)
+class CpuGroup:
+    """A cgroup directory whose `cgroup.procs` takes sandbox pids."""
+
+    path: Path
+
+    def join(self, pid: int) -> None:
+        """Move a just-started sandbox into the group; its children follow it there. A pid
+        that is already gone (a daemon that failed at once) is no error."""
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+            (self.path / "cgroup.procs").write_text(f"{pid}\n")
+
+    def remove(self) -> None:
+        """Remove the group once the plane stops; only an empty group can go, and one that
+        still holds a sandbox is left for the next plane's `sweep` to remove."""
+        with contextlib.suppress(OSError):
+            self.path.rmdir()
+
+
+def own_cgroup(controller: str, proc_cgroup: str) -> tuple[str, bool] | None:
+    """This process's cgroup path for `controller` from /proc/self/cgroup's text, and
+    whether it is the unified (v2) hierarchy's."""
+    unified: str | None = None
+    for line in proc_cgroup.splitlines():
+        number, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if number == "0" and controllers == "":
+            unified = path
+        elif controller in controllers.split(","):
+            return path, False
+    return (unified, True) if unified is not None else None
+
+
+def sweep(parent: Path) -> None:
+    """Remove the empty groups that planes which died without tidying up left behind."""
+    for stale in parent.glob(f"{PREFIX}*"):
+        pid = stale.name.removeprefix(PREFIX)
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            with contextlib.suppress(OSError):
+                stale.rmdir()
+
+
+def make_cpu_group(mode: str = "auto", root: Path = CGROUP_ROOT) -> CpuGroup | None:
+    """The plane's sandbox CPU group, made beside nothing else of the host: a child of the
+    plane's own CPU cgroup. None (sandboxes each in their own session's share) when it is
+    turned off or cannot be made here."""
+    if mode == "off":
+        return None
+    try:
+        found = own_cgroup("cpu", Path("/proc/self/cgroup").read_text())
+        if found is None:
+            raise OSError("no CPU controller in /proc/self/cgroup")
+        path, unified = found
+        base = root if unified else root / "cpu"
+        parent = base / path.lstrip("/")
+        if unified:
+            # cgroup v2 hands the cpu controller to children only from a cgroup that holds
+            # no processes of its own (the root excepted); where that is refused, give up.
+            (parent / "cgroup.subtree_control").write_text("+cpu\n")
+        sweep(parent)
+        group = parent / f"{PREFIX}{os.getpid()}"
+        group.mkdir(exist_ok=True)
+        (group / "cgroup.procs").stat()
+    except OSError as exc:
+        log.info("sandbox_cpu_group_unavailable", reason=str(exc),
+                 hint="each process sandbox gets a CPU share of its own; run the control "
+                      "plane as root on a host with a writable CPU cgroup to share one")
+        return None
+    log.info("sandbox_cpu_group", path=str(group))
+    return CpuGroup(group)

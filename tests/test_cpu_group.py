@@ -1,0 +1,113 @@
+"""The process sandboxes' shared CPU group: where the plane finds its own cgroup, and real
+sandboxes landing in the group when the host lets the plane make one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from covey.config import ConfigError, Settings
+from covey.coveyd import STEP_ASIDE_NICE
+from covey.cpu_group import PREFIX, make_cpu_group, own_cgroup, sweep
+from covey.sandbox import ProcessProvider, SandboxSpec
+from harness.waiting import eventually
+
+V1 = """12:cpu,cpuacct:/machine/a
+4:memory:/process_api/x
+0::/
+"""
+V2 = "0::/system.slice/covey.service\n"
+
+
+def test_the_cpu_controller_is_read_from_its_own_hierarchy() -> None:
+    assert own_cgroup("cpu", V1) == ("/machine/a", False), "cgroup v1: the cpu line's path"
+    assert own_cgroup("cpu", V2) == ("/system.slice/covey.service", True), \
+        "cgroup v2: the unified hierarchy's path"
+    assert own_cgroup("cpu", "4:memory:/x\n") is None, "no cpu controller and no v2 line"
+
+
+def test_off_makes_no_group() -> None:
+    assert make_cpu_group("off") is None
+
+
+def test_a_hierarchy_that_refuses_gives_no_group_and_no_error(tmp_path: Path) -> None:
+    # An empty folder as the cgroup root: no controller files, as on a host without the right.
+    assert make_cpu_group("auto", root=tmp_path) is None
+
+
+def test_groups_of_dead_planes_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
+    dead = tmp_path / f"{PREFIX}999999999"
+    live = tmp_path / f"{PREFIX}{os.getpid()}"
+    dead.mkdir()
+    live.mkdir()
+    sweep(tmp_path)
+    assert not dead.exists(), "an empty group of a plane that is gone was left behind"
+    assert live.exists(), "a running plane's group was removed"
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def members(group: Path) -> list[str]:
+    return (group / "cgroup.procs").read_text().split()
+
+
+def cpu_cgroup_of(pid: int) -> str:
+    found = own_cgroup("cpu", Path(f"/proc/{pid}/cgroup").read_text())
+    assert found is not None
+    return found[0]
+
+
+async def test_a_sandbox_and_its_children_share_the_plane_s_cpu_group(tmp_path: Path) -> None:
+    group = make_cpu_group("auto")
+    if group is None:
+        pytest.skip("this host lets no process make a CPU cgroup (not root, or read-only)")
+    # A "daemon" that starts a child and holds: both must be in the group.
+    script = "import subprocess, time; subprocess.Popen(['/bin/sleep', '30']); time.sleep(30)"
+    provider = ProcessProvider([sys.executable, "-c", script], tmp_path / "logs", group)
+    spec = SandboxSpec(sandbox_id=uuid.uuid4(), agent_id=uuid.uuid4(),
+                       session_id=uuid.uuid4(), home=tmp_path / "home", env={})
+    handle = await provider.start(spec)
+    try:
+        pid = int(handle)
+        assert cpu_cgroup_of(pid).endswith(group.path.name), \
+            "the sandbox's daemon is not in the sandboxes' CPU group"
+
+        async def child() -> int | None:
+            return next(iter(children_of(pid)), None)
+
+        first = await eventually(child, 10, "the sandbox's daemon never started its child")
+        assert cpu_cgroup_of(first).endswith(group.path.name), \
+            "a process the daemon started left the sandboxes' CPU group"
+    finally:
+        await provider.remove(handle)
+        await provider.wait(handle)
+
+    async def emptied() -> bool | None:
+        return not members(group.path) or None
+
+    await eventually(emptied, 10, "killed sandboxes stayed in the CPU group")
+    await provider.close()
+    assert not group.path.exists(), "the plane's sandbox CPU group outlived its plane"
+
+
+def test_a_setting_other_than_auto_or_off_is_refused_with_the_choices() -> None:
+    with pytest.raises(ConfigError, match="use 'auto' or 'off'"):
+        Settings.from_env({"COVEY_SANDBOX_CPU_GROUP": "yes"})
+    assert Settings.from_env({}).sandbox_cpu_group == "auto"
+
+
+def test_a_daemon_whose_kill_is_confirmed_steps_aside_for_the_others() -> None:
+    # In its own process: a nice value cannot be raised back.
+    probe = "import os; from covey.coveyd import step_aside; step_aside(); print(os.nice(0))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert int(done.stdout) >= STEP_ASIDE_NICE, \
+        f"a killed daemon exits at nice {done.stdout.strip()}, not below the sandboxes " \
+        "still to read their kill"
