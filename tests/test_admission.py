@@ -18,8 +18,9 @@ import pytest
 
 from covey.config import Settings
 from covey.db import Connection
-from tests.conftest import SCRIPTED_DAEMON
-from tests.support.plane import World, eventually, make_world, start_plane
+from covey.testing import SCRIPTED_DAEMON
+from covey.testing.plane import World, make_world, start_plane
+from harness.waiting import eventually
 
 
 @asynccontextmanager
