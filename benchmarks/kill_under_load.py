@@ -141,6 +141,8 @@ def figures(level: Level, result: LoadResult, rounds: list[LoadResult]) -> dict[
                            "failures": [k["failure"] for k in result.failed_kills],
                            "requests": result.requests,
                            "request_failures": result.request_failures,
+                           # reads answered 429 (covey.admission), apart from those served
+                           "shed_requests": result.shed_requests,
                            "requests_per_s": round(sum(r.requests_per_s for r in rounds)
                                                    / len(rounds), 1),
                            "problems": result.problems, "loadavg": load_average()}
@@ -165,7 +167,8 @@ def row(level: dict[str, Any], baseline: dict[str, Any]) -> str:
                       for name, use in level["cpu"].items())
     return (f"{level['level']:>22}: {level['kills']:3d} kills, {level['failed_kills']} failed, "
             f"{level['requests_per_s']:6.1f} req/s, {level['request_failures']} failed "
-            f"requests · {part(ACKED)} · {part(EXITED)} · {part(OPEN)} · load "
+            f"requests, {level['shed_requests']} shed · {part(ACKED)} · {part(EXITED)} · "
+            f"{part(OPEN)} · load "
             f"{level['loadavg']} · cores: {cores}")
 
 

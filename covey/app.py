@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from covey import __version__, errors
+from covey.admission import ReadAdmission
 from covey.api import (
     administration,
     agents,
@@ -219,9 +220,12 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
     async def control_plane(app: FastAPI, url: str) -> AsyncIterator[None]:
         await migrate(url)
         pool = await create_pool(url)
+        # The switches' lane (covey.admission): connections no read can take.
+        switch_pool = await create_pool(url, min_size=1, max_size=settings.switch_connections)
         node = f"{socket.gethostname()}:{port}:{uuid.uuid4().hex[:6]}"
         ws_url = settings.public_ws_url or f"ws://{host}:{port}/api/daemon/ws"
-        orch = Orchestrator(pool, settings, DaemonHub(), node, ws_url)
+        orch = Orchestrator(pool, settings, DaemonHub(), node, ws_url,
+                            switch_pool=switch_pool)
         provider: SandboxProvider
         if settings.sandbox_backend == "docker":
             provider = DockerProvider(settings.sandbox_image, settings.daemon_command,
@@ -254,6 +258,7 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
             await asyncio.gather(*loops, return_exceptions=True)
             await orch.runner.close()
             await pool.close()
+            await switch_pool.close()
 
     app = FastAPI(title="covey", version=__version__, lifespan=lifespan,
                   description="Agent control plane with kill switches (covey-compatible).")
@@ -294,6 +299,8 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
         return HTMLResponse('<p>covey control plane. API: <a href="/docs">/docs</a></p>')
 
     wrapped: Any = app
+    wrapped.add_middleware(ReadAdmission, concurrency=settings.read_concurrency,
+                           queue=settings.read_queue)
     wrapped.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     wrapped.add_middleware(errors.ContainErrors)  # outermost: also around the body limit
     return app

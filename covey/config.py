@@ -53,6 +53,11 @@ class Settings:
     warm_sync_s: int = 300
     warm_idle_s: int = 900
     log_level: str = "INFO"
+    # covey.admission: reads served at once, and waiting beyond them before a 429; the
+    # connections of the switches' own pool, which reads never take.
+    read_concurrency: int = 8
+    read_queue: int = 32
+    switch_connections: int = 4
     # "auto": the process sandboxes share one CPU cgroup where one can be made (covey/cpu_group.py).
     sandbox_cpu_group: str = "auto"
 
@@ -98,5 +103,8 @@ class Settings:
             warm_sync_s=_int_env(env, "COVEY_WARM_SYNC_S", 300, 1),
             warm_idle_s=_int_env(env, "COVEY_WARM_IDLE_S", 900, 1),
             log_level=log_level,
+            read_concurrency=_int_env(env, "COVEY_READ_CONCURRENCY", 8, 1),
+            read_queue=_int_env(env, "COVEY_READ_QUEUE", 32, 0),
+            switch_connections=_int_env(env, "COVEY_SWITCH_CONNECTIONS", 4, 1),
             sandbox_cpu_group=cpu_group,
         )

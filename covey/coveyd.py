@@ -35,6 +35,8 @@ from covey.tools import SCHEMAS, Toolbox
 log = logging.getLogger("coveyd")
 
 EXIT_SLEEP, EXIT_ERROR, EXIT_TRIPPED, EXIT_KILLED = 0, 1, 2, 3
+# How long a stopping daemon waits for its cancelled run to end before it exits anyway.
+WORK_END_S = 1.0
 # How far a daemon whose kill is confirmed lowers its priority for its exit (step_aside).
 STEP_ASIDE_NICE = 10
 # How long the last word may hold up the exit: the channel may be the very thing that is cut.
@@ -138,6 +140,9 @@ class Daemon:
     config: dict[str, Any] = field(default_factory=dict)
     work: asyncio.Task[None] | None = None
     guard_state: dict[str, Any] = field(default_factory=dict)
+    # Set by a kill or a lapsed lease: the run may not take another step, whatever became
+    # of the cancellation sent to it (see `halt_if_stopped`).
+    halted: bool = False
     stopped: asyncio.Future[Stop] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -152,6 +157,7 @@ class Daemon:
 
     def stop_work(self, why: str) -> None:
         """Stop at once: no safe boundary, no report. The run's tool calls die with it."""
+        self.halted = True
         if self.work is not None:
             self.work.cancel()
         log.warning("kill switch: %s", why)
@@ -262,6 +268,15 @@ class Daemon:
                             f"agent:{self.env.agent_id}")
         return Guard(Limits.from_config(limits), self.flag, prices=self.env.prices)
 
+    def halt_if_stopped(self) -> None:
+        """A stopped run ends here, before its next model request or tool call. Cancelling
+        it is not enough on Python 3.11: a cancellation that lands just as the awaited
+        call completes is swallowed by `asyncio.wait_for` (the shell tool's), which returns
+        the result instead; the run went on, and under Locust load such a daemon outlived
+        its kill's grace and was SIGKILLed (exit -9)."""
+        if self.halted:
+            raise asyncio.CancelledError
+
     async def engine(self, task: dict[str, Any]) -> Outcome:
         guard = self.make_guard()
         model = str(self.config.get("model", "puppet"))
@@ -272,6 +287,7 @@ class Daemon:
         ]
         try:
             while True:
+                self.halt_if_stopped()
                 guard.before_step()
                 reply = await self.chat(model, messages)
                 usage = reply.get("usage") or {}
@@ -308,6 +324,7 @@ class Daemon:
                     if name == "finish":
                         guard.after_call(name, True, probe)
                         return Outcome(result=str(args.get("result", "")))
+                    self.halt_if_stopped()
                     result, ok = await toolbox.run(name, args)
                     guard.after_call(name, ok, probe)
                     await self.send("event", {"kind": "tool", "status": "ok" if ok else "failed",
@@ -369,8 +386,9 @@ async def run(env: Env) -> int:
             if task is not None:
                 task.cancel()
         if daemon.work is not None:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await daemon.work
+            # Bounded: a run that does not end when cancelled must not keep a stopped
+            # daemon alive (its exit is what the kill's grace waits for).
+            await asyncio.wait({daemon.work}, timeout=WORK_END_S)
         log.info("exiting with %d after %.1fs: %s", code, time.monotonic() - started,
                  stop.sentence())
         if code == EXIT_KILLED:

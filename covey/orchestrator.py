@@ -230,8 +230,11 @@ async def requeue_in_progress(conn: Connection, where: str, args: list[Any], not
 
 class Orchestrator:
     def __init__(self, pool: Pool, settings: Settings, hub: DaemonHub, node: str,
-                 ws_url: str) -> None:
+                 ws_url: str, switch_pool: Pool | None = None) -> None:
         self.pool = pool
+        # The switches' lane (covey.admission): the kills, the global stop, the lease
+        # renewals and the daemons' kill confirmations, on connections no read can take.
+        self.switch_pool = pool if switch_pool is None else switch_pool
         self.settings = settings
         self.hub = hub
         self.node = node
@@ -244,15 +247,17 @@ class Orchestrator:
         # A fleet kill's daemons confirm all at once: their words go to their sessions a
         # batch per statement, not a pool round trip (and a connection reset) each.
         self.record_kill_confirmation = BatchedWrite(
-            pool, "UPDATE sessions s SET kill_sent_at=x.sent, kill_confirmed_at=x.confirmed,"
-                  " kill_confirmed_by=x.how, kill_acked_at=x.acked"
-                  " FROM unnest($1::uuid[], $2::timestamptz[], $3::timestamptz[], $4::text[],"
-                  " $5::timestamptz[]) AS x(id, sent, confirmed, how, acked)"
-                  " WHERE s.id=x.id AND s.kill_confirmed_by IS NULL")
+            self.switch_pool,
+            "UPDATE sessions s SET kill_sent_at=x.sent, kill_confirmed_at=x.confirmed,"
+            " kill_confirmed_by=x.how, kill_acked_at=x.acked"
+            " FROM unnest($1::uuid[], $2::timestamptz[], $3::timestamptz[], $4::text[],"
+            " $5::timestamptz[]) AS x(id, sent, confirmed, how, acked)"
+            " WHERE s.id=x.id AND s.kill_confirmed_by IS NULL")
         self.record_daemon_stop = BatchedWrite(
-            pool, "UPDATE sessions s SET daemon_stop=x.stop, daemon_stop_detail=x.detail"
-                  " FROM unnest($1::uuid[], $2::text[], $3::text[]) AS x(id, stop, detail)"
-                  " WHERE s.id=x.id AND s.daemon_stop IS NULL")
+            self.switch_pool,
+            "UPDATE sessions s SET daemon_stop=x.stop, daemon_stop_detail=x.detail"
+            " FROM unnest($1::uuid[], $2::text[], $3::text[]) AS x(id, stop, detail)"
+            " WHERE s.id=x.id AND s.daemon_stop IS NULL")
 
     # ---------------------------------------------------------------- waking
 
@@ -688,7 +693,7 @@ class Orchestrator:
         # must not wait for a second pool connection while it holds one (a hundred kills
         # at once emptied the pool that way), nor queue for its requeue behind the
         # statements of the very exits it caused (a fleet kill causes hundreds at once).
-        async with self.pool.acquire() as conn:
+        async with self.switch_pool.acquire() as conn:
             done = await self._switch(conn, flag, "agent", started)
             if done is None:
                 return None
@@ -740,7 +745,7 @@ class Orchestrator:
             await emit_statuses(conn, org_id, newly, "killed")
             return was, newly, live
 
-        async with self.pool.acquire() as conn:  # one connection, as in kill_agent
+        async with self.switch_pool.acquire() as conn:  # one connection, as in kill_agent
             was, agents, live = await self._switch(conn, flag, "fleet", started)
             report = KillReport(already_killed=was, agents=agents)
             evicted = await self._stop_sessions(
@@ -935,7 +940,7 @@ class Orchestrator:
                             {"reason": reason, "sessions": len(live)})
             return inserted is None, live
 
-        async with self.pool.acquire() as conn:  # one connection, as in kill_agent
+        async with self.switch_pool.acquire() as conn:  # one connection, as in kill_agent
             was, live = await self._switch(conn, flag, "global", started)
             report = KillReport(already_killed=was)
             evicted = await self._stop_sessions(conn, "global", live, [], started, report)
@@ -1074,7 +1079,9 @@ class Orchestrator:
         ids = self.hub.session_ids() if session_ids is None else session_ids
         if not ids:
             return
-        rows = await self.pool.fetch(
+        # On the switches' lane: a renewal queued behind reads lets healthy daemons' leases
+        # lapse under load, and they stop as if killed.
+        rows = await self.switch_pool.fetch(
             f"""
             UPDATE sessions s SET last_seen_at=now()
             FROM agents a JOIN organizations o ON o.id=a.org_id

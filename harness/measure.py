@@ -2,7 +2,9 @@
 each measured from the kill's invoke (the instant the operator pulled the switch):
 
 * `kill_acknowledged` — the kill's ok (None when its outcome is unknown);
-* `last_action` — the agent's last action (puppet ledger) after the invoke, before any resume
+* `last_action` — the agent's last action (puppet ledger) after the invoke, before any resume,
+  at its daemon's send stamp (`checkers.sent_at`, the instant the no-action-after-kill rule
+  judges too; the puppet's receipt, later under load, only for a request without a stamp)
   (None: it did nothing after the switch was pulled);
 * `daemon_exit` — the first `daemon_exit` of the agent, with `value["exit_code"]`;
 * `sandbox_gone` — the first `sandbox_gone` of the agent;
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 from hdrh.histogram import HdrHistogram
 
-from harness.checkers import FinalState, task_reads, tasks_in_progress_at
+from harness.checkers import ACTION_F, FinalState, sent_at, task_reads, tasks_in_progress_at
 from harness.history import History, Operation
 from harness.stops import Stop, stops
 
@@ -78,7 +80,10 @@ def time_to_stop(history: History, final: FinalState | None = None) -> list[Time
     `final` and those the history names; a fleet kill covers those of its organisation."""
     final = final or FinalState()
     agent_ids = sorted({*final.agents, *(e.agent_id for e in history if e.agent_id)})
-    actions = history.operations("action")
+    # An action was made when its daemon sent it; the puppet's event loop, which stamps its
+    # receipt, trails that by up to hundreds of ms under load and would stretch this part.
+    actions = [(a.agent_id, sent_at(a.value.get("sent_ns"), a.start_ns))
+               for a in history.operations(ACTION_F)]
     exits = history.operations("daemon_exit")
     gone = history.operations("sandbox_gone")
     reads = task_reads(history)
@@ -88,8 +93,8 @@ def time_to_stop(history: History, final: FinalState | None = None) -> list[Time
             if not stop.covers(agent_id, final.org_of(agent_id)):
                 continue
             invoked = stop.kill.start_ns
-            last_action = max((a.start_ns for a in actions
-                               if a.agent_id == agent_id and _within(stop, a.start_ns)),
+            last_action = max((made_ns for actor, made_ns in actions
+                               if actor == agent_id and _within(stop, made_ns)),
                               default=None)
             exit_ = _first(exits, agent_id, stop)
             sandbox = _first(gone, agent_id, stop)

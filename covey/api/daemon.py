@@ -6,6 +6,7 @@ short-lived, single-use token and must first say `ready` naming its agent and sa
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
@@ -197,14 +198,49 @@ async def daemon_ws(ws: WebSocket) -> None:
     await save_kill_confirmation(orch, link)
 
 
+Heard = tuple[str, dict[str, Any]] | ProtocolError
+
+
 async def _serve(orch: Orchestrator, ws: WebSocket, link: DaemonLink,
                  session: dict[str, Any]) -> None:
+    """Hear the daemon and handle what it says, in the order it said it. Its `kill_ack`
+    counts the moment it is heard: a kill's answer waits for it, and under Locust load the
+    messages ahead of it (events and costs, a database write each, queued for a pooled
+    connection behind the operators' reads) once held it back for seconds after the daemon
+    had stopped. Its records are written in order all the same."""
     await _take_up(orch, link, session)
-    while True:
-        text = await _receive_text(ws)
+    heard: asyncio.Queue[Heard | None] = asyncio.Queue()
+    handling = asyncio.ensure_future(_handle_in_order(orch, link, heard))
+    try:
+        while True:
+            text = await _receive_text(ws)
+            if handling.done():  # it failed: its error ends the channel, as it always did
+                break
+            try:
+                kind, payload = parse(text)
+            except ProtocolError as exc:
+                heard.put_nowait(exc)
+                continue
+            if kind == "kill_ack":
+                orch.hub.acknowledge_kill(link.session_id)
+            heard.put_nowait((kind, payload))
+    except asyncio.CancelledError:
+        handling.cancel()
+        raise
+    finally:
+        # What the daemon said before it hung up is still handled: a task's result, its
+        # kill's confirmation.
+        heard.put_nowait(None)
+        await handling
+
+
+async def _handle_in_order(orch: Orchestrator, link: DaemonLink,
+                           heard: asyncio.Queue[Heard | None]) -> None:
+    while (message := await heard.get()) is not None:
         try:
-            kind, payload = parse(text)
-            await _handle(orch, link, kind, payload)
+            if isinstance(message, ProtocolError):
+                raise message
+            await _handle(orch, link, *message)
         except ProtocolError as exc:
             await send_to(link, "error", {"error": exc.error, "hint": exc.hint})
 

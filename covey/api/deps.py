@@ -10,6 +10,7 @@ from uuid import UUID
 
 from fastapi import Depends, Request
 
+from covey.admission import is_switch
 from covey.errors import ApiError
 from covey.orchestrator import Orchestrator
 from covey.security import token_hash
@@ -57,7 +58,10 @@ async def current_principal(request: Request, orch: Orch) -> Principal:
     if not credential:
         raise ApiError(401, "Not signed in",
                        "POST /api/v1/auth/login, or send 'Authorization: Bearer <api token>'.")
-    row = await orch.pool.fetchrow(
+    # A switch's caller is looked up on the switches' lane: a kill must not queue for a
+    # connection behind the reads it is meant to cut through.
+    pool = orch.switch_pool if is_switch(request.method, request.url.path) else orch.pool
+    row = await pool.fetchrow(
         """
         SELECT h.id, h.org_id, h.email, h.role FROM humans h
         WHERE h.id = (SELECT human_id FROM web_sessions

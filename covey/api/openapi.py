@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from fastapi.dependencies.models import Dependant
 from fastapi.openapi.utils import get_openapi
 
+from covey.admission import is_bounded_read
 from covey.api.deps import ROLE_CHECKS, SESSION_COOKIE, current_principal
 from covey.errors import ErrorOut, api_routes
 
@@ -34,6 +35,7 @@ DESCRIPTIONS = {
     409: "Conflicts with the current state",
     413: "Request body too large",
     422: "Invalid request: `details` says where and what",
+    429: "Too many reads at once: retry after the `Retry-After` seconds",
     503: "Database unreachable",
 }
 # (creating operation, its success status) -> operations its answer leads to, with how to
@@ -85,6 +87,8 @@ def statuses(route: Any) -> set[int]:
         codes.add(422)
     if route.body_field is not None:
         codes |= {400, 413, 422}
+    if any(is_bounded_read(method, route.path_format) for method in route.methods or ()):
+        codes.add(429)
     return codes
 
 

@@ -28,9 +28,10 @@ import random
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from locust import HttpUser, between, events, task
+from locust.clients import ResponseContextManager as Response
 from locust.env import Environment
 from locust.runners import MasterRunner
 
@@ -47,9 +48,16 @@ HELD = "kill held"  # the whole kill: its failure says which rule broke
 # agent is not started (a killer holds it), and heartbeat work does not pile up beyond its
 # bound (the operators fire more often than silent agents work it off).
 RULES_KEPT = {"Agent or fleet is stopped", "Too many unfinished heartbeat tasks"}
+# A read the control plane shed (429, covey.admission: too many reads at once, so that the
+# switches stay quick) is counted apart, as this request type, and not as the route's
+# answer: it is the plane keeping a rule, not failing; its people wait the Retry-After.
+SHED = "SHED"
 # Polling only says when to look (the figures are the control plane's own stamps), but its
 # requests are load too: 50 ms keeps the killer's own traffic small beside the operators'.
 POLL_S = 0.05
+# The killer's reads of what its kill did are waited out this often when shed (1 s each):
+# its figures are the control plane's own stamps, so a late look changes none of them.
+KILLER_RETRIES = 30
 
 
 def _env(name: str, default: str | None = None) -> str:
@@ -73,11 +81,24 @@ class CoveyUser(HttpUser):
         self.prefix = _env("COVEY_LOAD_AGENT_PREFIX", "")
 
     def load_agents(self) -> list[dict[str, Any]]:
-        r = self.client.get("/api/v1/agents", name="/api/v1/agents")
-        if not r.ok:
+        r = self.read("/api/v1/agents", name="/api/v1/agents")
+        if r is None or not r.ok:
             return []
         agents: list[dict[str, Any]] = r.json()
         return [a for a in agents if a["slug"].startswith(self.prefix)]
+
+    def read(self, path: str, name: str, params: dict[str, str] | None = None,
+             retries: int = 0) -> Response | None:
+        """A GET; a shed one is counted as SHED, waited out (its Retry-After) and tried
+        again up to `retries` times. None: shed every time."""
+        for _ in range(retries + 1):
+            with self.client.get(path, name=name, params=params, catch_response=True) as r:
+                if r.status_code != 429:
+                    return cast(Response, r)
+                r.request_meta["request_type"] = SHED
+                r.success()
+            time.sleep(float(r.headers.get("Retry-After") or 1))
+        return None
 
 
 class Operator(CoveyUser):
@@ -101,14 +122,14 @@ class Operator(CoveyUser):
     @task(3)
     def read_backlog(self) -> None:
         if agent := self.an_agent():
-            self.client.get(f"/api/v1/agents/{agent['id']}/backlog",
-                            name="/api/v1/agents/[id]/backlog")
+            self.read(f"/api/v1/agents/{agent['id']}/backlog",
+                      name="/api/v1/agents/[id]/backlog")
 
     @task(2)
     def read_recording(self) -> None:
         if agent := self.an_agent():
-            self.client.get(f"/api/v1/agents/{agent['id']}/recording",
-                            name="/api/v1/agents/[id]/recording")
+            self.read(f"/api/v1/agents/{agent['id']}/recording",
+                      name="/api/v1/agents/[id]/recording")
 
     @task(1)
     def create_task(self) -> None:
@@ -258,8 +279,13 @@ class Killer(CoveyUser):
             raise failure
         opened_ns: int | None = None
         for task_id in held:
-            detail = self.client.get(f"{path}/tasks/{task_id}",
-                                     name="/api/v1/agents/[id]/tasks/[id]").json()
+            answer = self.read(f"{path}/tasks/{task_id}", name="/api/v1/agents/[id]/tasks/[id]",
+                               retries=KILLER_RETRIES)
+            if answer is None or not answer.ok:
+                raise KillFailed(f"GET {path}/tasks/{task_id} answered "
+                                 + ("429 every time" if answer is None
+                                    else f"{answer.status_code}: {answer.text[:200]}"))
+            detail = answer.json()
             reopened = [_ns(t["at"]) for t in detail["transitions"]
                         if t["to_state"] == "open" and _ns(t["at"]) >= invoked_ns]
             if not reopened:
@@ -287,7 +313,9 @@ class Killer(CoveyUser):
 
     def _json(self, path: str, params: dict[str, str] | None = None) -> list[dict[str, Any]]:
         name = "/api/v1/agents/[id]/" + path.rsplit("/", 1)[-1]
-        r = self.client.get(path, params=params, name=name)
+        r = self.read(path, name=name, params=params, retries=KILLER_RETRIES)
+        if r is None:
+            raise KillFailed(f"GET {path} was shed (429) {KILLER_RETRIES + 1} times running")
         if not r.ok:
             raise KillFailed(f"GET {path} answered {r.status_code}: {r.text[:200]}")
         rows: list[dict[str, Any]] = r.json()

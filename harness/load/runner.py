@@ -25,12 +25,15 @@ from typing import Any
 from harness.client import CoveyClient, json_of
 from harness.gameday import GAME_DAY_GUARD, GAME_DAY_MAX_TURNS
 from harness.measure import percentiles
-from harness.stack import Endpoints
+from harness.stack import Endpoints, free_port
 from harness.waiting import eventually
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 PARTS = {"acknowledged_ns": "kill → acknowledged", "daemon_acked_ns": "kill → daemon acked",
          "daemon_exited_ns": "kill → daemon exited", "task_open_ns": "kill → task open"}
+# How long a master waits for the workers it forked to connect before it gives up (and says
+# so in its log).
+WORKERS_MAX_WAIT_S = 30
 # Requests the load makes of something other than the control plane.
 NOT_THE_CONTROL_PLANE = {"puppet ledger"}
 
@@ -71,6 +74,9 @@ class LoadResult:
     locust_exit_code: int
     files: dict[str, str]
     problems: list[str] = field(default_factory=list)
+    # Reads the control plane shed (429: too many at once; Locust type SHED), not among
+    # `requests`: the plane keeping the switches quick, not a failed request.
+    shed_requests: int = 0
 
     @property
     def passed(self) -> bool:
@@ -137,15 +143,7 @@ async def run_load(endpoints: Endpoints, fleet: Fleet, plan: LoadPlan, report_di
     """Run Locust headless against the stack and judge the run."""
     files = report_files(report_dir, name)
     log = Path(files["locust_log"])
-    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
-               "--host", endpoints.url, "--users", str(plan.users + plan.killers),
-               "--spawn-rate", str(plan.spawn_rate), "--run-time", plan.run_time,
-               "--stop-timeout", "20", "--csv", files["csv_prefix"], "--html", files["html"],
-               "--only-summary", "--loglevel", "WARNING"]
-    if plan.processes > 1:
-        command += ["--processes", str(plan.processes)]
-    if plan.master_workers:
-        command += ["--master", "--expect-workers", str(plan.master_workers)]
+    command = locust_command(endpoints.url, plan, files)
     env = {**os.environ, **load_environment(fleet, plan),
            "COVEY_LOAD_SAMPLES": files["samples"]}
     out = await asyncio.to_thread(log.open, "wb")
@@ -155,7 +153,8 @@ async def run_load(endpoints: Endpoints, fleet: Fleet, plan: LoadPlan, report_di
             start_new_session=True)
         try:
             # Locust stops itself at --run-time; this bound is for a Locust that does not.
-            code = await asyncio.wait_for(locust.wait(), run_seconds(plan.run_time) + 120)
+            code = await asyncio.wait_for(locust.wait(), run_seconds(plan.run_time)
+                                          + WORKERS_MAX_WAIT_S + 120)
         except TimeoutError:
             os.killpg(locust.pid, signal.SIGKILL)
             code = await locust.wait()
@@ -171,6 +170,29 @@ async def run_load(endpoints: Endpoints, fleet: Fleet, plan: LoadPlan, report_di
     finally:
         out.close()
     return await asyncio.to_thread(finish, plan, files, code)
+
+
+def locust_command(url: str, plan: LoadPlan, files: dict[str, str],
+                   master_port: int | None = None) -> list[str]:
+    """Locust's command line for `plan`. Workers forked on this machine (`--processes`) meet
+    their master on a free loopback port of this run's own, not Locust's fixed 5557 on every
+    interface: on a machine where other load runs start and end, workers that met another
+    run's master (or a master that could not bind) left a level with no user started."""
+    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
+               "--host", url, "--users", str(plan.users + plan.killers),
+               "--spawn-rate", str(plan.spawn_rate), "--run-time", plan.run_time,
+               "--stop-timeout", "20", "--csv", files["csv_prefix"], "--html", files["html"],
+               "--only-summary", "--loglevel", "WARNING"]
+    if plan.processes > 1:
+        port = master_port or free_port()
+        command += ["--processes", str(plan.processes), "--master-bind-host", "127.0.0.1",
+                    "--master-bind-port", str(port), "--master-host", "127.0.0.1",
+                    "--master-port", str(port),
+                    # Its --run-time starts once the workers are there: bounded, and said.
+                    "--expect-workers-max-wait", str(WORKERS_MAX_WAIT_S)]
+    if plan.master_workers:
+        command += ["--master", "--expect-workers", str(plan.master_workers)]
+    return command
 
 
 def report_files(report_dir: Path, name: str) -> dict[str, str]:
@@ -242,8 +264,9 @@ def judge(plan: LoadPlan, samples: list[dict[str, Any]], stats: list[dict[str, s
         values = [int(s[key]) for s in held if s.get(key) is not None]
         if values:
             parts[label] = asdict(percentiles(values))
-    plane = [row for row in stats if row["Type"] not in ("KILL", "")
+    plane = [row for row in stats if row["Type"] not in ("KILL", "SHED", "")
              and row["Name"] not in NOT_THE_CONTROL_PLANE]
+    shed = sum(int(row["Request Count"]) for row in stats if row["Type"] == "SHED")
     requests = sum(int(row["Request Count"]) for row in plane)
     request_failures = sum(int(row["Failure Count"]) for row in plane)
     rps = sum(float(row["Requests/s"]) for row in plane)
@@ -264,4 +287,4 @@ def judge(plan: LoadPlan, samples: list[dict[str, Any]], stats: list[dict[str, s
     return LoadResult(plan=plan, kills=len(samples), failed_kills=failed, parts_us=parts,
                       requests=requests, request_failures=request_failures,
                       requests_per_s=round(rps, 1), locust_exit_code=locust_exit_code,
-                      files={}, problems=problems)
+                      files={}, problems=problems, shed_requests=shed)

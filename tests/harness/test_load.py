@@ -3,6 +3,7 @@ processes stack (a passing one, and one whose bound no kill can meet)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 
 from harness.load.kills import acknowledged_at, late_requests
-from harness.load.runner import LoadPlan, judge, run_seconds
+from harness.load.runner import LoadPlan, judge, locust_command, run_seconds
 
 MS = 1_000_000
 PLAN = LoadPlan(users=10, spawn_rate=5, run_time="20s", max_kill_p99_ms=500)
@@ -60,6 +61,31 @@ def test_a_slow_p99_fails_the_gate_and_says_by_how_much() -> None:
                                "500 ms"] or "over the bound of 500 ms" in result.problems[0]
     assert not result.passed
     assert judge(LoadPlan(10, 5, "20s"), [kill(exited_ms=900)], stats(), 0).passed
+
+
+def test_shed_reads_are_counted_apart_and_are_no_failure() -> None:
+    """A 429 (too many reads at once) is the control plane keeping the switches quick: the
+    run counts it apart and neither among the requests served nor as a failure."""
+    shed = {"Type": "SHED", "Name": "/api/v1/agents", "Request Count": "37",
+            "Failure Count": "0", "Requests/s": "3.0"}
+    result = judge(PLAN, [kill()], [*stats(), shed], 0)
+    assert (result.shed_requests, result.requests, result.requests_per_s) == (37, 400, 20.0)
+    assert result.passed, result.problems
+
+
+def test_forked_workers_meet_their_master_on_a_loopback_port_of_the_run_s_own() -> None:
+    """Not Locust's fixed 5557 on every interface, where workers of two runs on one machine
+    meet the wrong master."""
+    files = {"csv_prefix": "/r/load", "html": "/r/load.html"}
+    command = locust_command("http://127.0.0.1:1", LoadPlan(users=4, spawn_rate=4,
+                                                            run_time="10s", processes=2),
+                             files, master_port=40123)
+    flags = dict(itertools.pairwise(command))
+    assert (flags["--processes"], flags["--master-bind-host"], flags["--master-bind-port"],
+            flags["--master-port"]) == ("2", "127.0.0.1", "40123", "40123")
+    assert int(flags["--expect-workers-max-wait"]) > 0, "a master must not wait for ever"
+    assert "--master-bind-port" not in locust_command(
+        "http://127.0.0.1:1", LoadPlan(users=4, spawn_rate=4, run_time="10s"), files)
 
 
 def test_no_kill_or_failed_requests_is_no_pass() -> None:
@@ -151,3 +177,13 @@ def test_a_bound_no_kill_can_meet_fails_the_run_with_the_reason(tmp_path: Path) 
     assert summary["failed_kills"], summary
     assert all("over the bound of 0 ms" in k["failure"] for k in summary["failed_kills"])
     assert "over the bound" in run.stdout
+
+
+@pytest.mark.slow
+def test_two_locust_workers_on_this_machine_start_users_and_measure_kills(
+        tmp_path: Path) -> None:
+    run, summary = gameday_load(tmp_path, "--processes", "2")
+    assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-3000:]}"
+    assert summary["requests"] > 0 and summary["kills"] >= 1, (
+        f"two workers sent {summary['requests']} requests and measured {summary['kills']} "
+        "kills: their users never started")

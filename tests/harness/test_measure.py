@@ -87,6 +87,26 @@ def test_an_agent_kill_measures_only_its_agent_and_stops_at_the_resume() -> None
     assert sample.tasks_requeued_ns is None and sample.sandbox_gone_ns is None
 
 
+def test_last_action_is_when_its_daemon_sent_it_not_when_the_puppet_saw_it() -> None:
+    """Under load the puppet sees a request hundreds of ms after its daemon sent it; the last
+    action is the send, the instant the no-action-after-kill rule judges too."""
+    day = GameDay()
+    day.action("a1", 90, sent_ms=80)  # sent before the switch was pulled: not after it
+    day.kill_agent("a1", 100, 150)
+    day.action("a1", 400, sent_ms=104)  # sent 4 ms after the invoke, seen 300 ms after
+    day.action("a1", 130)  # no send stamp: counts from when the puppet saw it
+    (sample,) = time_to_stop(day.history)
+    assert sample.last_action_ns == 30 * MS, (
+        "the last action must be the stamped request's send (4 ms) or the unstamped one's "
+        f"receipt (30 ms), whichever is later, not a receipt of 300 ms: "
+        f"got {sample.last_action_ns}")
+    day2 = GameDay()
+    day2.kill_agent("a1", 100, 150)
+    day2.action("a1", 120, sent_ms=95)  # sent before the invoke, only seen after it
+    assert time_to_stop(day2.history)[0].last_action_ns is None, (
+        "a request sent before the switch was pulled is not an action after it")
+
+
 def test_daemon_exit_and_sandbox_gone_are_each_the_time_the_control_plane_recorded() -> None:
     """The two parts come from two recorded times; a part not recorded is not measured
     (it once was, from one `ended_at` standing in for both)."""
