@@ -35,7 +35,7 @@ from covey.api import (
 from covey.api.deps import AnyRole
 from covey.api.openapi import document
 from covey.config import Settings
-from covey.db import create_pool, migrate
+from covey.db import DatabaseUnavailable, create_pool, migrate
 from covey.embedded_postgres import EmbeddedPostgres, attach, release
 from covey.hub import DaemonHub
 from covey.orchestrator import Orchestrator
@@ -267,7 +267,7 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
         orch: Orchestrator = request.app.state.orchestrator
         try:
             await orch.pool.fetchval("SELECT 1", timeout=2)
-        except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+        except (DatabaseUnavailable, asyncpg.PostgresError, TimeoutError) as exc:
             raise errors.ApiError(503, "Database unreachable",
                                   f"Kills cannot be recorded until it is back: {exc}") from None
         # The lease a daemon holds: how long a cut control channel may leave an agent
