@@ -172,6 +172,7 @@ class Listener:
 
     async def run(self) -> None:
         while True:
+            conn: asyncpg.Connection[asyncpg.Record] | None = None
             try:
                 conn = await asyncpg.connect(self.url)
                 for channel in ("covey_wake", "covey_kill", "covey_leases", "covey_events"):
@@ -188,7 +189,13 @@ class Listener:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("listener connection lost; reconnecting", error=str(exc))
+                log.warning("listener connection lost; reconnecting", error=repr(exc))
+            finally:
+                # Given up on, it is dropped: a link cut by a partition comes back when it
+                # heals, and a connection left open would then deliver every notification
+                # a second time beside its successor, one more per outage.
+                if conn is not None and not conn.is_closed():
+                    conn.terminate()
             self.ready.clear()
             await asyncio.sleep(0.5)
 
