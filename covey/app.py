@@ -37,7 +37,7 @@ from covey.api.deps import AnyRole
 from covey.api.openapi import document
 from covey.config import Settings
 from covey.cpu_group import make_cpu_group
-from covey.db import create_pool, migrate
+from covey.db import DatabaseUnavailable, create_pool, migrate
 from covey.embedded_postgres import EmbeddedPostgres, attach, release
 from covey.hub import DaemonHub
 from covey.orchestrator import Orchestrator
@@ -174,6 +174,7 @@ class Listener:
 
     async def run(self) -> None:
         while True:
+            conn: asyncpg.Connection[asyncpg.Record] | None = None
             try:
                 conn = await asyncpg.connect(self.url)
                 for channel in ("covey_wake", "covey_kill", "covey_leases", "covey_events"):
@@ -190,7 +191,13 @@ class Listener:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("listener connection lost; reconnecting", error=str(exc))
+                log.warning("listener connection lost; reconnecting", error=repr(exc))
+            finally:
+                # Given up on, it is dropped: a link cut by a partition comes back when it
+                # heals, and a connection left open would then deliver every notification
+                # a second time beside its successor, one more per outage.
+                if conn is not None and not conn.is_closed():
+                    conn.terminate()
             self.ready.clear()
             await asyncio.sleep(0.5)
 
@@ -274,7 +281,7 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
         orch: Orchestrator = request.app.state.orchestrator
         try:
             await orch.pool.fetchval("SELECT 1", timeout=2)
-        except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+        except (DatabaseUnavailable, asyncpg.PostgresError, TimeoutError) as exc:
             raise errors.ApiError(503, "Database unreachable",
                                   f"Kills cannot be recorded until it is back: {exc}") from None
         # The lease a daemon holds: how long a cut control channel may leave an agent

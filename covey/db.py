@@ -35,20 +35,42 @@ async def _keep_session(_conn: Connection) -> None:
     longer while requests, the kill among them, waited for one."""
 
 
+class DatabaseUnavailable(Exception):
+    """The database could not be reached: a connection to it was refused, timed out, or its
+    socket was missing (a server restarting). Raised in place of the OSError that asyncpg
+    lets through when it connects, so that only the database's errors are taken for the
+    database being away: a file or a daemon's socket failing is a different story, and
+    answering it with "Database unreachable" once sent operators looking at a healthy
+    Postgres."""
+
+
+async def _connect(*args: Any, **kwargs: Any) -> asyncpg.Connection[asyncpg.Record]:
+    """asyncpg's connect, for the pool, with its OSErrors as DatabaseUnavailable."""
+    try:
+        conn: asyncpg.Connection[asyncpg.Record] = await asyncpg.connect(*args, **kwargs)
+    except OSError as exc:  # TimeoutError too: it is an OSError
+        raise DatabaseUnavailable(f"cannot connect to the database: {exc!r}") from exc
+    return conn
+
+
 async def create_pool(url: str, min_size: int = 2, max_size: int = 20) -> Pool:
     pool = await asyncpg.create_pool(
         url, min_size=min_size, max_size=max_size, init=_init_connection,
-        reset=_keep_session,
+        reset=_keep_session, connect=_connect,
     )
     if pool is None:  # pragma: no cover - asyncpg returns None only without awaiting
         raise RuntimeError("asyncpg returned no pool")
     return pool
 
 
-# What a database that is away raises (refused, restarting, its connection cut): the API
-# answers it with a 503, and writes that must survive an outage retry it.
+# What a database that is away raises through the pool (refused, restarting, its connection
+# cut): the API answers it with a 503, and writes that must survive an outage retry it. A
+# connection lost in use is asyncpg's PostgresConnectionError; one that cannot be made is
+# DatabaseUnavailable (`_connect`); a server shutting down or starting is
+# OperatorInterventionError. Not a bare OSError: that is as likely a file or a socket of ours.
 UNREACHABLE: tuple[type[Exception], ...] = (
-    OSError, asyncpg.PostgresConnectionError, asyncpg.exceptions.OperatorInterventionError)
+    DatabaseUnavailable, asyncpg.PostgresConnectionError,
+    asyncpg.exceptions.OperatorInterventionError)
 OUTAGE_RETRY_S = (0.2, 0.5, 1.0, 2.0)  # then every 2 s
 OUTAGE_GIVE_UP_S = 600.0
 

@@ -13,6 +13,7 @@ import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from urllib.parse import parse_qs, parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg
 
@@ -72,3 +73,23 @@ async def database_of_its_own(server_url: str, prefix: str = "covey",
         yield url
     finally:
         await drop_database(server_url, name)
+
+
+def link_of(url: str) -> str:
+    """Where a client of `url` connects, as a fault proxy's target takes it: HOST:PORT, or
+    unix:PATH for a server on a Unix socket (an embedded one listens on nothing else)."""
+    parts = urlsplit(url)
+    query = parse_qs(parts.query)
+    host = query.get("host", [parts.hostname or "127.0.0.1"])[0]
+    port = int(query.get("port", [parts.port or 5432])[0])
+    return f"unix:{host}/.s.PGSQL.{port}" if host.startswith("/") else f"{host}:{port}"
+
+
+def through(url: str, port: int) -> str:
+    """The same database, user and password reached through 127.0.0.1:`port` (a fault
+    proxy in front of `link_of(url)`): a replica whose link to it the nemesis can cut."""
+    parts = urlsplit(url)
+    query = [(k, v) for k, v in parse_qsl(parts.query) if k not in ("host", "port")]
+    credentials = parts.netloc.rpartition("@")[0]
+    netloc = f"{credentials}@127.0.0.1:{port}" if credentials else f"127.0.0.1:{port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, urlencode(query), ""))

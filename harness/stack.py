@@ -155,15 +155,17 @@ async def puppet_process(log_dir: Path) -> AsyncIterator[RemotePuppet]:
 
 
 @asynccontextmanager
-async def proxy_process(name: str, target_port: int, log_dir: Path
+async def proxy_process(name: str, target: int | str, log_dir: Path
                         ) -> AsyncIterator[RemoteFaultProxy]:
-    """A fault proxy in front of 127.0.0.1:`target_port` in a process of its own: its faults
-    heal on their deadlines whatever the harness's event loop is doing, and even after the
-    harness died (it then heals and exits)."""
+    """A fault proxy in front of 127.0.0.1:`target` (a port), or of `target` as
+    `python -m harness.nemesis --target` takes it (HOST:PORT, unix:PATH), in a process of its
+    own: its faults heal on their deadlines whatever the harness's event loop is doing, and
+    even after the harness died (it then heals and exits)."""
     with (log_dir / f"proxy-{name}-{os.getpid()}.log").open("ab") as log:
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "harness.nemesis", "--name", name,
-            "--target", f"127.0.0.1:{target_port}", "--owner-pid", str(os.getpid()),
+            "--target", f"127.0.0.1:{target}" if isinstance(target, int) else target,
+            "--owner-pid", str(os.getpid()),
             stdout=asyncio.subprocess.PIPE, stderr=log)
     try:
         assert process.stdout is not None

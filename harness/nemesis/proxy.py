@@ -1,6 +1,6 @@
 """The fault proxy: a TCP proxy on loopback (or a game day's network) in front of one
-protected link (the flag store, the control channel), with four faults and an HTTP control
-API (`control_app`):
+protected link (the flag store, the control channel, a replica's database), with four faults
+and an HTTP control API (`control_app`):
 - `latency`: every chunk, both ways, is delivered `ms` after the proxy read it. Chunks keep
   their order and several can be in flight, as on a slow link (not one sleep per chunk,
   which would also cut throughput). On heal, chunks already in flight keep their delay.
@@ -95,7 +95,7 @@ class _Link:
     async def _run(self) -> None:
         await self.proxy._flowing.wait()  # a blackholed link carries not even the SYN upstream
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self.proxy.target)
+            up_reader, up_writer = await self.proxy._open_upstream()
         except OSError:
             # Upstream refused: pass that on as a reset, the nearest a client can see.
             self.close(reset=True)
@@ -224,11 +224,13 @@ class FaultProxy(_ProxyFaults):
     """A TCP proxy from `listen_host:port` to `target`, with one fault at a time.
 
     Use as `async with FaultProxy(...) as proxy`; leaving heals the standing fault and closes
-    every connection. `control_port` (0: any free port, None: no HTTP API) serves
+    every connection. A `target_port` of None makes `target_host` the path of a Unix socket:
+    an embedded Postgres listens on nothing else, and a replica's database link is one.
+    `control_port` (0: any free port, None: no HTTP API) serves
     `control_app(proxy)` at `proxy.control_url`.
     """
 
-    def __init__(self, target_host: str, target_port: int, *, name: str = "proxy",
+    def __init__(self, target_host: str, target_port: int | None, *, name: str = "proxy",
                  listen_host: str = "127.0.0.1", listen_port: int = 0,
                  control_host: str = "127.0.0.1", control_port: int | None = 0,
                  clock: Callable[[], int] = time.time_ns) -> None:
@@ -273,6 +275,17 @@ class FaultProxy(_ProxyFaults):
         for link in list(self._links):
             link.close(reset=False)
         await asyncio.gather(*(link.task for link in list(self._links)), return_exceptions=True)
+
+    @property
+    def target_text(self) -> str:
+        host, port = self.target
+        return f"unix:{host}" if port is None else f"{host}:{port}"
+
+    async def _open_upstream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        host, port = self.target
+        if port is None:
+            return await asyncio.open_unix_connection(host)
+        return await asyncio.open_connection(host, port)
 
     async def _listen(self) -> None:
         self._server = await asyncio.start_server(self._accept, self.host, self.port)
@@ -398,7 +411,7 @@ def control_app(proxy: FaultProxy) -> FastAPI:
     day's private Docker network), and what it guards is the harness's own fault. Errors are
     `{"error", "hint"}`, as everywhere in the project."""
     app = FastAPI(title=f"Fault proxy {proxy.name}",
-                  description=f"Faults on the link to {proxy.target[0]}:{proxy.target[1]}.")
+                  description=f"Faults on the link to {proxy.target_text}.")
 
     @app.exception_handler(_Refused)
     async def refused(_: Request, exc: _Refused) -> JSONResponse:
@@ -439,7 +452,7 @@ def control_app(proxy: FaultProxy) -> FastAPI:
     async def fault_state() -> ProxyState:
         active = proxy.active
         return ProxyState(proxy=proxy.name, listen=f"{proxy.host}:{proxy.port}",
-                          target=f"{proxy.target[0]}:{proxy.target[1]}",
+                          target=proxy.target_text,
                           active=None if active is None else FaultOut.of(active),
                           log=[FaultOut.of(r) for r in proxy.fault_log()])
 
@@ -538,6 +551,13 @@ def _address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _target(text: str) -> tuple[str, int | None]:
+    """HOST:PORT, or unix:PATH for a Unix socket."""
+    if text.startswith("unix:") and len(text) > len("unix:"):
+        return text[len("unix:"):], None
+    return _address(text)
+
+
 async def _serve_alone(args: argparse.Namespace) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -564,7 +584,8 @@ def main(argv: list[str] | None = None) -> None:
     stops on SIGTERM/SIGINT, healing its fault on the way out."""
     parser = argparse.ArgumentParser(prog="python -m harness.nemesis", description=main.__doc__)
     parser.add_argument("--name", default="proxy")
-    parser.add_argument("--target", type=_address, required=True, help="HOST:PORT to protect")
+    parser.add_argument("--target", type=_target, required=True,
+                        help="HOST:PORT (or unix:PATH) to protect")
     parser.add_argument("--listen", type=_address, default=("127.0.0.1", 0), help="HOST:PORT")
     parser.add_argument("--control", type=_address, default=("127.0.0.1", 0),
                         help="HOST:PORT of the HTTP control API")
