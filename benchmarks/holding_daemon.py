@@ -20,7 +20,7 @@ from pathlib import Path
 
 import websockets
 
-from covey.coveyd import step_aside
+from covey.coveyd import in_a_crowd, step_aside
 
 EXIT_KILLED = 3
 
@@ -36,7 +36,8 @@ async def main() -> int:
             "agent_id": os.environ["COVEY_AGENT_ID"],
             "sandbox_id": os.environ["COVEY_SANDBOX_ID"]}}))
         async for raw in ws:
-            kind = json.loads(raw)["type"]
+            message = json.loads(raw)
+            kind = message["type"]
             if kind == "kill":
                 note_kill(time.time_ns())
                 # As coveyd does: the kill_ack is its last word, then no closing handshake
@@ -44,7 +45,8 @@ async def main() -> int:
                 await ws.send(json.dumps({"type": "kill_ack", "payload": {
                     "stop": "kill", "exit_code": EXIT_KILLED, "detail": "reason kill-switch"}}))
                 ws.transport.abort()
-                step_aside()
+                if in_a_crowd(message.get("payload") or {}):
+                    step_aside()
                 os._exit(EXIT_KILLED)
             if kind == "sleep":
                 return 0

@@ -152,9 +152,11 @@ class DaemonHub:
             return False
         return await send_to(link, kind, payload)
 
-    async def send_kill(self, session_id: UUID) -> bool:
+    async def send_kill(self, session_id: UUID, crowd: int = 1) -> bool:
         """Send `kill` once per session, however many paths (local call, NOTIFY) ask for it.
-        True when this replica holds the daemon's connection and the kill went out."""
+        True when this replica holds the daemon's connection and the kill went out. `crowd`
+        is how many sessions the same kill stops at once: a daemon among many steps aside
+        for the others once its kill is confirmed (coveyd's step_aside)."""
         if session_id in self._killed:  # the other path got there first
             return True
         link = self._links.get(session_id)
@@ -165,7 +167,8 @@ class DaemonHub:
             self._killed.popitem(last=False)
         link.kill_sent_ns = time.time_ns()
         return await send_to(link, "kill", {"reason": "kill-switch",
-                                            "sent_at_ns": link.kill_sent_ns})
+                                            "sent_at_ns": link.kill_sent_ns,
+                                            "crowd": crowd})
 
 
 async def send_to(link: DaemonLink, kind: str, payload: dict[str, Any]) -> bool:

@@ -792,7 +792,8 @@ class Orchestrator:
         the work in progress). Returns the evicted sandboxes. `conn` is the flag's
         connection: a few statements on it, whatever the fleet's size."""
         session_ids = [s["id"] for s in live]
-        delivered = await asyncio.gather(*(self.hub.send_kill(s) for s in session_ids))
+        crowd = len(session_ids)
+        delivered = await asyncio.gather(*(self.hub.send_kill(s, crowd) for s in session_ids))
         report.kill_delivered = [s for s, ok in zip(session_ids, delivered, strict=True) if ok]
         metrics.kill_stage_seconds.labels(scope, "kill_sent").observe(
             time.perf_counter() - started)
@@ -846,7 +847,8 @@ class Orchestrator:
         """A kill announced by another replica (or by ourselves: sent at most once). The
         kill's own announcement comes back here too, for every session it already sent
         to: those cost nothing now."""
-        await asyncio.gather(*(self.hub.send_kill(s)
+        crowd = len(session_ids)
+        await asyncio.gather(*(self.hub.send_kill(s, crowd)
                                for s in self.hub.not_yet_killed(session_ids)))
 
     async def resume_agent(self, org_id: UUID, agent_id: UUID, actor_id: UUID | None,

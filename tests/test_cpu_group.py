@@ -3,17 +3,21 @@ sandboxes landing in the group when the host lets the plane make one."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from covey.config import ConfigError, Settings
-from covey.coveyd import STEP_ASIDE_NICE
+from covey.coveyd import STEP_ASIDE_NICE, in_a_crowd
 from covey.cpu_group import PREFIX, make_cpu_group, own_cgroup, sweep
+from covey.hub import DaemonHub, DaemonLink
 from covey.sandbox import ProcessProvider, SandboxSpec
 from harness.waiting import eventually
 
@@ -111,3 +115,30 @@ def test_a_daemon_whose_kill_is_confirmed_steps_aside_for_the_others() -> None:
     assert int(done.stdout) >= STEP_ASIDE_NICE, \
         f"a killed daemon exits at nice {done.stdout.strip()}, not below the sandboxes " \
         "still to read their kill"
+
+
+class Frames:
+    """What a daemon's channel was sent (the hub's sink, in a test of the hub alone)."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    async def send_text(self, data: str) -> None:
+        self.sent.append(json.loads(data))
+
+
+async def test_a_kill_tells_each_daemon_how_many_it_stops_at_once() -> None:
+    hub = DaemonHub()
+    links = [DaemonLink(uuid.uuid4(), uuid.uuid4(), Frames()) for _ in range(3)]
+    for link in links:
+        hub.attach(link)
+    await hub.send_kill(links[0].session_id)
+    await asyncio.gather(*(hub.send_kill(link.session_id, 2) for link in links[1:]))
+    crowds = [link.sink.sent[0]["payload"]["crowd"] for link in links]  # type: ignore[attr-defined]
+    assert crowds == [1, 2, 2], f"kill frames said crowds {crowds}"
+
+
+def test_only_a_daemon_in_a_crowd_steps_aside() -> None:
+    assert in_a_crowd({"crowd": 200}), "a fleet kill's daemon did not step aside"
+    for alone in ({}, {"crowd": 1}, {"crowd": True}, {"crowd": "200"}):
+        assert not in_a_crowd(alone), f"a daemon killed alone ({alone}) stepped aside"
