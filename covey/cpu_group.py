@@ -35,10 +35,16 @@ class CpuGroup:
     path: Path
 
     def join(self, pid: int) -> None:
-        """Move a just-started sandbox into the group; its children follow it there. A pid
-        that is already gone (a daemon that failed at once) is no error."""
-        with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+        """Move a just-started sandbox into the group; its children follow it there. Never
+        fails the sandbox's start: a pid already gone (a daemon that failed at once) or a
+        move the kernel refuses leaves it in the plane's share, which the log says."""
+        try:
             (self.path / "cgroup.procs").write_text(f"{pid}\n")
+        except ProcessLookupError:
+            pass
+        except OSError as exc:
+            log.warning("sandbox_cpu_group_join_refused", pid=pid, path=str(self.path),
+                        reason=str(exc))
 
     def remove(self) -> None:
         """Remove the group once the plane stops; only an empty group can go, and one that

@@ -29,7 +29,14 @@ import structlog
 
 from covey import metrics
 from covey.config import Settings
-from covey.db import BatchedWrite, Connection, Pool, fetch_one, transaction
+from covey.db import (
+    BatchedWrite,
+    Connection,
+    DatabaseUnavailable,
+    Pool,
+    fetch_one,
+    transaction,
+)
 from covey.hub import DaemonHub, DaemonLink
 from covey.sandbox import Runner
 from covey.security import new_token, token_hash
@@ -945,7 +952,9 @@ class Orchestrator:
         async with self.switch_pool.acquire() as conn:  # one connection, as in kill_agent
             was, live = await self._switch(conn, flag, "global", started)
             report = KillReport(already_killed=was)
-            evicted = await self._stop_sessions(conn, "global", live, [], started, report)
+            # A global stop holds every agent: a repeat finishes what one cut short left.
+            evicted = await self._stop_sessions(conn, "global", live, [], started, report,
+                                                held=("SELECT id FROM agents", []))
         await self._await_stopped(live, evicted, report)
         metrics.kills.labels("global", "already" if was else "killed").inc()
         return report
@@ -1121,6 +1130,15 @@ async def _retried(conn: Connection, body: Callable[[Connection], Awaitable[T]],
         try:
             async with conn.transaction():
                 return await body(conn)
+        except asyncpg.InterfaceError as exc:
+            # A held connection that the server closed (a restart between the kill's two
+            # transactions) is handed back to the pool by asyncpg, and its next use raises
+            # this: the database was away, which the API answers with 503, not a 500.
+            # (Even asking the proxy whether it is closed raises then: its message says.)
+            if "released back to the pool" in str(exc) or "connection is closed" in str(exc):
+                raise DatabaseUnavailable(f"the database closed the {scope} kill's "
+                                          f"connection before its {step}: {exc}") from exc
+            raise
         except (asyncpg.DeadlockDetectedError, asyncpg.SerializationError) as exc:
             if attempt == 5:
                 raise

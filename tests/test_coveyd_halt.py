@@ -11,7 +11,6 @@ from typing import Any
 import httpx
 import pytest
 
-from covey import coveyd
 from covey.coveyd import Daemon, Env
 from covey.tools import Toolbox
 
@@ -62,5 +61,5 @@ async def test_a_kill_swallowed_as_a_tool_call_returns_still_ends_the_run(
         assert daemon.work.cancelled(), "the stopped run ended some other way"
         assert model_calls == 1, (
             f"the daemon asked its model {model_calls - 1} more time(s) after it was killed")
-        assert "task_done" not in daemon.ws.sent  # type: ignore[attr-defined]
-        assert coveyd.WORK_END_S <= 2, "a stopping daemon must not wait long for its run"
+        sent = daemon.ws.sent  # type: ignore[attr-defined]
+        assert "task_done" not in sent, "a killed run reported its task done"

@@ -16,7 +16,7 @@ import pytest
 
 from covey.config import ConfigError, Settings
 from covey.coveyd import STEP_ASIDE_NICE, in_a_crowd
-from covey.cpu_group import PREFIX, make_cpu_group, own_cgroup, sweep
+from covey.cpu_group import PREFIX, CpuGroup, make_cpu_group, own_cgroup, sweep
 from covey.hub import DaemonHub, DaemonLink
 from covey.sandbox import ProcessProvider, SandboxSpec
 from harness.waiting import eventually
@@ -142,3 +142,9 @@ def test_only_a_daemon_in_a_crowd_steps_aside() -> None:
     assert in_a_crowd({"crowd": 200}), "a fleet kill's daemon did not step aside"
     for alone in ({}, {"crowd": 1}, {"crowd": True}, {"crowd": "200"}):
         assert not in_a_crowd(alone), f"a daemon killed alone ({alone}) stepped aside"
+
+
+def test_a_move_the_kernel_refuses_never_fails_a_sandbox_s_start(tmp_path: Path) -> None:
+    # A cgroup.procs that cannot be written (here a folder: the write raises an OSError).
+    (tmp_path / "cgroup.procs").mkdir()
+    CpuGroup(tmp_path).join(os.getpid())  # must not raise: the sandbox runs in the plane's share

@@ -317,3 +317,41 @@ async def test_a_repeated_kill_finishes_what_a_kill_cut_short_left(world: World,
     assert await world.task_state(str(task_id)) == "open"
     assert await world.db.fetchval("SELECT state FROM sandboxes WHERE id=$1", parked) \
         == "evicted", "the retried kill left the killed agent's warm sandbox parked"
+
+
+async def test_a_kill_whose_connection_the_database_closes_answers_503_and_its_retry_works(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kill holds one connection across its two transactions. A database restart
+    between them closes it; asyncpg hands it back to the pool, and the requeue's use of it
+    raised InterfaceError, which the API answered with a 500. It is the database being away:
+    a 503 that asks for the retry, and the retry finishes the kill."""
+    agent = await world.agent()
+    aid, task_id = uuid.UUID(agent["id"]), uuid.uuid4()
+    await world.db.execute(
+        "INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin, state)"
+        " VALUES ($1, $2, $3, 't', 'hold', 'api', 'in_progress')", task_id, world.org.id, aid)
+    orch = world.plane.orch
+    stop_sessions = orch._stop_sessions
+
+    async def restart_between(conn: Any, *args: Any, **kwargs: Any) -> Any:
+        await world.db.execute("SELECT pg_terminate_backend($1)", conn.get_server_pid())
+
+        async def closed() -> bool:
+            try:
+                await conn.fetchval("SELECT 1")
+            except (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError):
+                return True
+            return False
+        await eventually(closed, 10, "the terminated connection never closed")
+        return await stop_sessions(conn, *args, **kwargs)
+
+    monkeypatch.setattr(orch, "_stop_sessions", restart_between)
+    r = await world.security.post(f"/api/v1/agents/{aid}/kill")
+    assert r.status_code == 503, f"a kill cut short by the database answered {r.status_code}"
+    assert r.json()["error"] == "Database unreachable" and r.json()["hint"], r.text
+
+    monkeypatch.setattr(orch, "_stop_sessions", stop_sessions)
+    r = await world.security.post(f"/api/v1/agents/{aid}/kill")
+    assert r.status_code == 200, f"the retried kill answered {r.status_code}: {r.text}"
+    assert r.json()["tasks_requeued"] == [str(task_id)], r.text
+    assert await world.task_state(str(task_id)) == "open"

@@ -226,6 +226,9 @@ async def settle(day: GameDay, agents: list[dict[str, Any]], deadline_s: float) 
             if isinstance(exc, ApiFailure) and outage(exc) is None:
                 raise
             await asyncio.sleep(1 + attempt)
+    else:
+        return ("the fleet and its agents could not be resumed after the incident: three "
+                "tries met an outage")
     deadline = time.monotonic() + deadline_s
     left: list[str] = []
     while time.monotonic() < deadline:
