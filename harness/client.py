@@ -4,6 +4,7 @@ error and hint rather than a KeyError later."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -24,6 +25,18 @@ def json_of(response: httpx.Response, expected: int = 200) -> Any:
     return response.json()
 
 
+SHED_TRIES = 10
+
+
+def retry_after_s(response: httpx.Response) -> float:
+    """The wait a shed read's Retry-After asks for, in seconds, kept within 0.05 to 5."""
+    try:
+        asked = float(response.headers.get("Retry-After", "1"))
+    except ValueError:
+        asked = 1.0
+    return min(max(asked, 0.05), 5.0)
+
+
 class CoveyClient:
     def __init__(self, base_url: str, token: str | None = None, timeout: float = 30) -> None:
         self.token = token  # handed on to processes that act as the same human (load)
@@ -34,7 +47,18 @@ class CoveyClient:
         await self.http.aclose()
 
     async def get(self, path: str, **params: Any) -> httpx.Response:
-        """GET, retried once when the server closed the kept-alive connection just as it was
+        """GET, waited out while the control plane sheds reads (429 with Retry-After: it
+        bounds the reads it serves at once, so that none of them delays a kill), at most
+        SHED_TRIES times; the last answer is returned as it came."""
+        for _ in range(SHED_TRIES - 1):
+            response = await self._get_once(path, params)
+            if response.status_code != 429:
+                return response
+            await asyncio.sleep(retry_after_s(response))
+        return await self._get_once(path, params)
+
+    async def _get_once(self, path: str, params: dict[str, Any]) -> httpx.Response:
+        """Retried once when the server closed the kept-alive connection just as it was
         reused (httpx then sees "Server disconnected without sending a response"): a read is
         safe to repeat, and a game day must not fail on that race."""
         try:
