@@ -329,7 +329,7 @@ def daemon_log(sandbox_id: str, in_container: bool) -> DaemonLog | None:
 
 def sandbox_containers(client: Any, gameday: str) -> list[Any]:
     """The game day's running sandbox containers."""
-    found: list[Any] = client.containers.list(filters={
+    found: list[Any] = client.containers.list(ignore_removed=True, filters={
         "label": [f"covey.gameday={gameday}", "covey.sandbox"], "status": "running"})
     return found
 
@@ -337,7 +337,7 @@ def sandbox_containers(client: Any, gameday: str) -> list[Any]:
 def own_gameday(client: Any) -> str:
     """The game-day label of the containers stack this process brought up (its control plane
     carries our pid)."""
-    mine = client.containers.list(filters={
+    mine = client.containers.list(ignore_removed=True, filters={
         "label": [HARNESS_LABEL, f"covey.owner_pid={os.getpid()}"], "status": "running"})
     days = {c.labels.get("covey.gameday") for c in mine} - {None}
     if len(days) != 1:

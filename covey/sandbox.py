@@ -362,7 +362,7 @@ class DockerProvider:
 
             node = self._labels.get("covey.node", "")
             for container in self._client.containers.list(
-                    all=True, filters={"label": f"covey.node={node}"}):
+                    ignore_removed=True, all=True, filters={"label": f"covey.node={node}"}):
                 with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
                     container.remove(force=True)
 

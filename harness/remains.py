@@ -41,7 +41,7 @@ def _containers_of(agent_id: str) -> list[str]:
     client = docker.from_env()
     try:
         containers: list[Any] = client.containers.list(
-            all=True, filters={"label": f"covey.agent={agent_id}"})
+            ignore_removed=True, all=True, filters={"label": f"covey.agent={agent_id}"})
         return [f"container {c.short_id} ({c.status})" for c in containers]
     finally:
         client.close()

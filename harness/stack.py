@@ -341,14 +341,16 @@ def reap_stale_game_days() -> list[str]:
     client = docker.from_env()
     reaped = []
     try:
-        for container in client.containers.list(all=True, filters={"label": HARNESS_LABEL}):
+        for container in client.containers.list(ignore_removed=True, all=True,
+                                                filters={"label": HARNESS_LABEL}):
             owner = int(container.labels.get("covey.owner_pid", "0") or 0)
             if owner and alive(owner):
                 continue
             gameday = container.labels.get("covey.gameday", "")
-            for c in client.containers.list(all=True,
+            for c in client.containers.list(ignore_removed=True, all=True,
                                             filters={"label": f"covey.gameday={gameday}"}):
-                c.remove(force=True)
+                with contextlib.suppress(docker.errors.NotFound):  # removed meanwhile
+                    c.remove(force=True)
             reaped.append(gameday)
         for network in client.networks.list(filters={"label": HARNESS_LABEL}):
             owner = int(network.attrs.get("Labels", {}).get("covey.owner_pid", "0") or 0)
@@ -526,9 +528,10 @@ class ContainersStack:
                 container.stop()
         client = docker.from_env()
         try:
-            for c in client.containers.list(all=True,
+            for c in client.containers.list(ignore_removed=True, all=True,
                                             filters={"label": f"covey.gameday={gameday}"}):
-                c.remove(force=True)
+                with contextlib.suppress(docker.errors.NotFound):  # removed meanwhile
+                    c.remove(force=True)
         finally:
             client.close()
         with contextlib.suppress(Exception):

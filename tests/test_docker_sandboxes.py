@@ -31,7 +31,7 @@ async def dworld(database_url: str, tmp_path: Path, model: tuple[str, Puppet],
                            ) as plane, make_world(plane) as world:
         world.gameday = gameday  # type: ignore[attr-defined]
         yield world
-    leftovers = docker_client.containers.list(all=True,
+    leftovers = docker_client.containers.list(ignore_removed=True, all=True,
                                               filters={"label": f"covey.gameday={gameday}"})
     for c in leftovers:
         c.remove(force=True)
@@ -40,7 +40,8 @@ async def dworld(database_url: str, tmp_path: Path, model: tuple[str, Puppet],
 
 def _containers(client: Any, world: World) -> list[Any]:
     gameday = world.gameday  # type: ignore[attr-defined]
-    return list(client.containers.list(all=True, filters={"label": f"covey.gameday={gameday}"}))
+    return list(client.containers.list(ignore_removed=True, all=True,
+                                       filters={"label": f"covey.gameday={gameday}"}))
 
 
 async def _gone_sandbox(world: World, agent_id: str) -> dict[str, Any]:
@@ -112,6 +113,7 @@ async def test_cutting_the_channel_stops_a_containerised_agent_within_the_lease(
 
         def running() -> bool:
             return bool(docker_client.containers.list(
+                ignore_removed=True,
                 filters={"label": f"covey.gameday={gameday}", "status": "running"}))
 
         async def stopped() -> bool:

@@ -51,12 +51,13 @@ def _bring_up(tmp_path: Path) -> subprocess.Popen[str]:
 
 def _owned_by(client: Any, pid: int) -> tuple[list[Any], list[Any]]:
     label = f"covey.owner_pid={pid}"
-    return (client.containers.list(all=True, filters={"label": label}),
+    return (client.containers.list(ignore_removed=True, all=True, filters={"label": label}),
             client.networks.list(filters={"label": label}))
 
 
 def _of_game_day(client: Any, gameday: str) -> list[Any]:
-    return list(client.containers.list(all=True, filters={"label": f"covey.gameday={gameday}"}))
+    return list(client.containers.list(ignore_removed=True, all=True,
+                                       filters={"label": f"covey.gameday={gameday}"}))
 
 
 def test_an_interrupted_run_leaves_nothing_behind(docker_client: Any, tmp_path: Path) -> None:
