@@ -11,13 +11,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from covey import errors
 from covey.db import DatabaseUnavailable
 from covey.testing import SCRIPTED_DAEMON
-from covey.testing.plane import free_port, make_world, start_plane
+from covey.testing.plane import make_world, served, start_plane
 from harness.nemesis import FaultProxy
 from harness.postgres import link_of, through
 from harness.waiting import eventually
@@ -74,19 +73,8 @@ async def app_url() -> AsyncIterator[str]:
         raise DatabaseUnavailable("cannot connect to the database: ConnectionRefusedError()")
 
     app.add_middleware(errors.ContainErrors)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="critical"))
-    serving = asyncio.create_task(server.serve())
-
-    async def started() -> bool:
-        return server.started
-    await eventually(started, 10, "test server did not start")
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await serving
+    async with served(app) as url:
+        yield url
 
 
 @pytest.mark.parametrize("path", ["/evidence", "/daemon"])

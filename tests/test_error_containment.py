@@ -3,7 +3,6 @@ ours or uvicorn's, carries a token."""
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 import textwrap
@@ -11,12 +10,10 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 
 from covey import errors
-from covey.testing.plane import free_port
-from harness.waiting import eventually
+from covey.testing.plane import served
 
 TRIGGER_TOKEN = "cvtr_" + "S3cretTriggerToken" * 2
 API_TOKEN = "cvt_" + "S3cretApiToken" * 3
@@ -39,19 +36,8 @@ async def failing_app_url() -> AsyncIterator[str]:
         return request.client.port
 
     app.add_middleware(errors.ContainErrors)
-    port_number = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port_number,
-                                           log_level="critical"))
-    serving = asyncio.create_task(server.serve())
-
-    async def started() -> bool:
-        return server.started
-    await eventually(started, 10, "test server did not start")
-    try:
-        yield f"http://127.0.0.1:{port_number}"
-    finally:
-        server.should_exit = True
-        await serving
+    async with served(app) as url:
+        yield url
 
 
 async def test_a_500_keeps_the_connection_and_the_error_shape(failing_app_url: str) -> None:

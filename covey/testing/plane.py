@@ -44,6 +44,25 @@ async def until(check: Callable[[], Awaitable[bool]], deadline_s: float, message
         await asyncio.sleep(interval)
 
 
+@asynccontextmanager
+async def served(app: Any) -> AsyncIterator[str]:
+    """An ASGI app served by a real uvicorn on a free loopback port, for as long as the
+    block runs: its base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="critical"))
+    serving = asyncio.create_task(server.serve())
+
+    async def started() -> bool:
+        return bool(server.started)
+    await until(started, 10, "the test server did not start")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await serving
+
+
 @dataclass
 class Plane:
     url: str
