@@ -1139,6 +1139,16 @@ async def _retried(conn: Connection, body: Callable[[Connection], Awaitable[T]],
                 raise DatabaseUnavailable(f"the database closed the {scope} kill's "
                                           f"connection before its {step}: {exc}") from exc
             raise
+        except asyncpg.InternalClientError as exc:
+            # The server's goodbye (FATAL: terminating connection) read while the
+            # connection was idle leaves asyncpg waiting for a ReadyForQuery that never
+            # comes, until it sees the socket close: a query in between is refused with
+            # "another operation is in progress". One kill never runs two queries on its
+            # connection at once, so this is the database going away, as above.
+            if "another operation" in str(exc):
+                raise DatabaseUnavailable(f"the database closed the {scope} kill's "
+                                          f"connection before its {step}: {exc}") from exc
+            raise
         except (asyncpg.DeadlockDetectedError, asyncpg.SerializationError) as exc:
             if attempt == 5:
                 raise

@@ -5,6 +5,7 @@ deadlock Postgres breaks by failing it. Real control plane, real Postgres, real 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -16,6 +17,8 @@ import asyncpg
 import pytest
 import websockets
 
+from covey.db import DatabaseUnavailable
+from covey.orchestrator import _retried
 from covey.testing import SCRIPTED_DAEMON
 from covey.testing.plane import World, make_world, start_plane
 from harness.waiting import eventually
@@ -324,7 +327,8 @@ async def test_a_kill_whose_connection_the_database_closes_answers_503_and_its_r
     """The kill holds one connection across its two transactions. A database restart
     between them closes it; asyncpg hands it back to the pool, and the requeue's use of it
     raised InterfaceError, which the API answered with a 500. It is the database being away:
-    a 503 that asks for the retry, and the retry finishes the kill."""
+    a 503 that asks for the retry, and the retry finishes the kill. (The wait below asks
+    asyncpg, never the connection: a probing query read the server's goodbye and failed.)"""
     agent = await world.agent()
     aid, task_id = uuid.UUID(agent["id"]), uuid.uuid4()
     await world.db.execute(
@@ -333,16 +337,18 @@ async def test_a_kill_whose_connection_the_database_closes_answers_503_and_its_r
     orch = world.plane.orch
     stop_sessions = orch._stop_sessions
 
-    async def restart_between(conn: Any, *args: Any, **kwargs: Any) -> Any:
-        await world.db.execute("SELECT pg_terminate_backend($1)", conn.get_server_pid())
+    async def closed(conn: Any) -> bool:
+        try:
+            return bool(conn.is_closed())
+        except asyncpg.InterfaceError:  # already handed back to the pool
+            return True
 
-        async def closed() -> bool:
-            try:
-                await conn.fetchval("SELECT 1")
-            except (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError):
-                return True
-            return False
-        await eventually(closed, 10, "the terminated connection never closed")
+    async def restart_between(conn: Any, *args: Any, **kwargs: Any) -> Any:
+        # With a timeout, pg_terminate_backend returns once the server process has exited.
+        assert await world.db.fetchval("SELECT pg_terminate_backend($1, 10000)",
+                                       conn.get_server_pid())
+        await eventually(lambda: closed(conn), 10,
+                         "asyncpg never saw the terminated connection close")
         return await stop_sessions(conn, *args, **kwargs)
 
     monkeypatch.setattr(orch, "_stop_sessions", restart_between)
@@ -355,3 +361,28 @@ async def test_a_kill_whose_connection_the_database_closes_answers_503_and_its_r
     assert r.status_code == 200, f"the retried kill answered {r.status_code}: {r.text}"
     assert r.json()["tasks_requeued"] == [str(task_id)], r.text
     assert await world.task_state(str(task_id)) == "open"
+
+
+class _GoneConnection:
+    """A connection that has read the server's goodbye but not yet seen its socket close."""
+
+    def transaction(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return contextlib.nullcontext()
+
+
+async def test_a_kill_step_refused_by_a_half_closed_connection_is_the_database_away() -> None:
+    """CI caught asyncpg refusing a query with InternalClientError ("another operation is in
+    progress") on a connection whose server had just been terminated: its FATAL was read
+    while the connection was idle. That is the database going away (a 503 and a retry),
+    while any other InternalClientError stays the bug it is."""
+    async def half_closed(conn: object) -> None:
+        raise asyncpg.InternalClientError(
+            "cannot switch to state 11; another operation (2) is in progress")
+
+    async def other(conn: object) -> None:
+        raise asyncpg.InternalClientError("unexpected message")
+
+    with pytest.raises(DatabaseUnavailable, match="before its requeue"):
+        await _retried(_GoneConnection(), half_closed, "agent", "requeue")  # type: ignore[arg-type]
+    with pytest.raises(asyncpg.InternalClientError, match="unexpected message"):
+        await _retried(_GoneConnection(), other, "agent", "requeue")  # type: ignore[arg-type]
