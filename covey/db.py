@@ -71,6 +71,11 @@ async def create_pool(url: str, min_size: int = 2, max_size: int = 20) -> Pool:
 UNREACHABLE: tuple[type[Exception], ...] = (
     DatabaseUnavailable, asyncpg.PostgresConnectionError,
     asyncpg.exceptions.OperatorInterventionError)
+# An agent may run (be woken, have its lease renewed) when no stop holds it: its own kill,
+# its organisation's fleet kill, the global stop. Over `agents a JOIN organizations o`.
+MAY_RUN = ("NOT a.killed AND NOT o.fleet_killed"
+           " AND NOT EXISTS (SELECT 1 FROM kill_flags g WHERE g.scope='global')")
+
 OUTAGE_RETRY_S = (0.2, 0.5, 1.0, 2.0)  # then every 2 s
 OUTAGE_GIVE_UP_S = 600.0
 

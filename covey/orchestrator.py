@@ -30,6 +30,7 @@ import structlog
 from covey import metrics
 from covey.config import Settings
 from covey.db import (
+    MAY_RUN,
     BatchedWrite,
     Connection,
     DatabaseUnavailable,
@@ -58,9 +59,6 @@ ORPHAN_GRACE_MIN_S = 5.0
 # The one definition of "this agent may run" (agents as a, organisations as o): its own flag,
 # its organisation's, and the control plane's global flag. Every wake path, every claim and
 # every lease renewal uses it; a rule restated per query once left a path that ignored a flag.
-MAY_RUN = ("NOT a.killed AND NOT o.fleet_killed"
-           " AND NOT EXISTS (SELECT 1 FROM kill_flags g WHERE g.scope='global')")
-
 FLEET_KILLED_TITLE = (
     "The emergency stop was pulled: every agent of this organisation is paused"
 )

@@ -22,7 +22,7 @@ from uuid import UUID, uuid4
 import structlog
 
 from covey.cpu_group import CpuGroup
-from covey.db import BatchedWrite, Pool, through_outage
+from covey.db import MAY_RUN, BatchedWrite, Pool, through_outage
 
 log = structlog.get_logger(__name__)
 
@@ -81,6 +81,7 @@ PROCESS_BASE_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHO
 # it started kept deleting files).
 SANDBOX_MARKER = "COVEY_SANDBOX_ID"
 REMOVE_DEADLINE_S = 10.0
+SETTLE_AT_ONCE = 8  # a previous life's sandboxes torn down side by side
 
 
 def _marker(sandbox_id: UUID | str) -> bytes:
@@ -465,25 +466,42 @@ class Runner:
     async def settle_previous_life(self, lease_s: float) -> None:
         """After a crash, the sandboxes this node started in its previous life (same host and
         port: only one process can hold them) are nobody's: their daemons lost their control
-        plane and stop within their lease. Once that has passed, tear down what is left (a
-        container) and record them gone, or their rows would say `running` for ever."""
+        plane and stop within their lease. Tear down what is left (a container) and record
+        them gone, or their rows would say `running` for ever.
+
+        Those of agents a stop holds (and those a kill evicted just before the crash: their
+        teardown died with it) go at once: the stop has already decided their fate, and a
+        game day found a killed agent's containers outliving its fleet kill by the restart
+        plus this wait. The others' daemons get their lease to stop on their own first."""
         host_port = self.node.rsplit(":", 1)[0]
+        await self._settle_orphans(host_port, held_only=True)
         await asyncio.sleep(lease_s)
-        # Also those a kill evicted just before the crash: their teardown died with it.
+        await self._settle_orphans(host_port, held_only=False)
+
+    async def _settle_orphans(self, host_port: str, *, held_only: bool) -> None:
         orphans = await through_outage(lambda: self._pool.fetch(
-            "SELECT id, handle FROM sandboxes WHERE node LIKE $1 || ':%' AND node <> $2"
-            " AND (state IN ('starting','running','parked')"
-            " OR (state='evicted' AND gone_at IS NULL))", host_port, self.node),
-            "a previous life's sandboxes")
-        for row in orphans:
-            if row["handle"] and self.backend == "docker":
-                await self._provider.remove(row["handle"])  # killed and removed
-            else:  # by the marker every process of it inherits, never by an old pid
-                await asyncio.to_thread(_kill_marked, row["id"])
-            await through_outage(functools.partial(
-                self._record_gone.write, row["id"], _at(time.time_ns())), "sandbox gone")
+            f"""
+            SELECT s.id, s.handle FROM sandboxes s
+            JOIN agents a ON a.id=s.agent_id JOIN organizations o ON o.id=a.org_id
+            WHERE s.node LIKE $1 || ':%' AND s.node <> $2
+              AND (s.state IN ('starting','running','parked')
+                   OR (s.state='evicted' AND s.gone_at IS NULL))
+              AND (NOT $3 OR s.state='evicted' OR NOT ({MAY_RUN}))
+            """, host_port, self.node, held_only), "a previous life's sandboxes")
+        limit = asyncio.Semaphore(SETTLE_AT_ONCE)
+
+        async def settle(row: Any) -> None:
+            async with limit:
+                if row["handle"] and self.backend == "docker":
+                    await self._provider.remove(row["handle"])  # killed and removed
+                else:  # by the marker every process of it inherits, never by an old pid
+                    await asyncio.to_thread(_kill_marked, row["id"])
+                await through_outage(functools.partial(
+                    self._record_gone.write, row["id"], _at(time.time_ns())), "sandbox gone")
+        await asyncio.gather(*(settle(row) for row in orphans))
         if orphans:
-            log.warning("sandboxes of a previous life settled", count=len(orphans))
+            log.warning("sandboxes of a previous life settled", count=len(orphans),
+                        held_by_a_stop=held_only)
 
     @property
     def backend(self) -> str:

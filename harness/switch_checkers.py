@@ -48,6 +48,36 @@ TEARDOWN_MARGIN_NS = 3_000_000_000
 TEARDOWN_BOUND_NS = KILL_GRACE_NS + TEARDOWN_MARGIN_NS
 
 
+# The nemesis's fault target for a crashed control plane (harness/nemesis/plane.py).
+PLANE_TARGET = "control plane"
+
+
+def plane_down(history: History) -> list[tuple[int, int | None]]:
+    """When the control plane was crashed by the nemesis: (start, back) each, `back` None
+    when its restart was never seen to succeed."""
+    heals = {h.value.get("fault_id"): h.start_ns for h in history.operations("fault_heal")
+             if h.type == "ok"}
+    return sorted((op.start_ns, heals.get(op.value.get("fault_id")))
+                  for op in history.operations("fault_start")
+                  if op.type != "fail" and op.value.get("target") == PLANE_TARGET)
+
+
+def teardown_deadline(acked_ns: int, down: list[tuple[int, int | None]]) -> int | None:
+    """When a stop acknowledged at `acked_ns` must have its sandboxes gone: TEARDOWN_BOUND_NS
+    of the control plane being up. The control plane is what tears sandboxes down, so the
+    time it lay crashed does not count (the daemons' own stop is judged by the lease,
+    crash or not); None when it never came back."""
+    deadline = acked_ns + TEARDOWN_BOUND_NS
+    for start, back in down:
+        if start >= deadline:
+            break
+        if back is None:
+            return None
+        if back > acked_ns:
+            deadline += back - max(start, acked_ns)
+    return deadline
+
+
 def _lease_ns(history: History) -> int | None:
     for e in history.select(f=LEASE_F):
         if isinstance(e.value.get("lease_ms"), int | float):
@@ -172,8 +202,9 @@ def kill_confirmed_within_lease(history: History, final: FinalState) -> Verdict:
 
 
 def no_sandbox_alive_after_stop(history: History, final: FinalState) -> Verdict:
-    """Once a stop has stood for TEARDOWN_BOUND_NS after its acknowledgement, no sandbox of
-    an agent it holds is up (until a resume may have released it)."""
+    """Once a stop has stood for TEARDOWN_BOUND_NS after its acknowledgement (counting only
+    the time the control plane was up: it is what tears sandboxes down), no sandbox of an
+    agent it holds is up (until a resume may have released it)."""
     name = "no_sandbox_alive_after_stop"
     held = [s for s in stops(history) if s.acknowledged_ns is not None]
     boxes = [e for e in history.select(f=SANDBOX_F) if e.agent_id is not None
@@ -186,11 +217,17 @@ def no_sandbox_alive_after_stop(history: History, final: FinalState) -> Verdict:
     lines: list[str] = []
     evidence: set[int] = set()
     judged = 0
+    down = plane_down(history)
+    unjudged: list[str] = []
     for stop in held:
-        after = (stop.acknowledged_ns or 0) + TEARDOWN_BOUND_NS
+        after = teardown_deadline(stop.acknowledged_ns or 0, down)
+        if after is None:
+            unjudged.append(f"the {stop.kill.f} acknowledged at event {stop.kill.last_index}")
+            continue  # the control plane never came back: nothing could tear them down
         if stop.lifted_ns is not None and stop.lifted_ns <= after:
             continue  # released before the bound: nothing had to be gone yet
         judged += 1
+        grace = after - (stop.acknowledged_ns or 0) - TEARDOWN_BOUND_NS
         until = stop.lifted_ns
         for box in boxes:
             agent = str(box.agent_id)
@@ -202,21 +239,30 @@ def no_sandbox_alive_after_stop(history: History, final: FinalState) -> Verdict:
                 still = (f"still {box.value.get('state')} when last read" if ended is None
                          else f"up until {_ms(int(ended) - (stop.acknowledged_ns or 0))} "
                               f"after the kill's acknowledgement")
+                crashed = (f" (bound {_ms(after - (stop.acknowledged_ns or 0))}: "
+                           f"{_ms(grace)} of it the control plane lay crashed)"
+                           if grace else "")
                 lines.append(f"sandbox {box.value.get('sandbox_id')} of agent {agent} was "
                              f"{still}, under the {stop.kill.f} acknowledged at event "
-                             f"{stop.kill.last_index}")
+                             f"{stop.kill.last_index}{crashed}")
     if lines:
         return Verdict(name, False, _sentence(
             f"Sandboxes outlived a stop by more than {_ms(TEARDOWN_BOUND_NS)}", lines,
             "a stopped agent's sandbox still holds its process or container, or stays "
             "parked for reuse with work the kill should have thrown away"),
             tuple(sorted(evidence)))
+    if not judged and unjudged:
+        return Verdict(name, "unknown", _sentence(
+            "The control plane never came back after a crash, so no sandbox could have been "
+            "torn down under", unjudged, "see every_fault_healed"),
+            tuple(s.kill.last_index for s in held))
     if not judged:
         return Verdict(name, "unknown", f"Every stop was released within "
                        f"{_ms(TEARDOWN_BOUND_NS)} of its acknowledgement, before its "
                        f"sandboxes had to be gone.", tuple(s.kill.last_index for s in held))
-    return Verdict(name, True, f"No sandbox was up {_ms(TEARDOWN_BOUND_NS)} after a stop "
-                   f"({_count(judged, 'stop')}, {_count(len(boxes), 'sandbox')}).",
+    crash = " of the control plane being up" if down else ""
+    return Verdict(name, True, f"No sandbox was up {_ms(TEARDOWN_BOUND_NS)}{crash} after a "
+                   f"stop ({_count(judged, 'stop')}, {_count(len(boxes), 'sandbox')}).",
                    tuple(s.kill.last_index for s in held))
 
 

@@ -1,8 +1,8 @@
 """Game day: the control plane is SIGKILLed in the middle of a fleet kill, then started
 again. The stop must survive the crash: the daemons, cut off from their control plane, stop
-within their lease; after the restart every agent of the org is still stopped, every task
-that was in progress is open again, and fleet resume brings all of them back, each task done
-exactly once.
+within their lease; after the restart nothing of their sandboxes is left, every agent of the
+org is still stopped, every task that was in progress is open again, and fleet resume brings
+all of them back, each task done exactly once.
 
     pytest scenarios/control_plane_crash.py [--stack containers|processes]
 """
@@ -18,6 +18,7 @@ from harness.client import json_of
 from harness.gameday import GameDay
 
 MARGIN_S = 3.0  # the lease's own slack plus a loaded machine's
+SETTLED_S = 10.0  # from the restart's answer: a few containers' removal on a loaded machine
 
 
 # Not kill_obeyed: the daemons stop by their lease here, before any kill message can reach
@@ -53,6 +54,12 @@ async def test_control_plane_killed_mid_fleet_kill(gameday: GameDay,
         restarting_ns = time.time_ns()
         await plane.start()
         day.measurements["restart_s"] = (time.time_ns() - restarting_ns) / 1e9
+        # What the crash left of the stopped fleet (containers, on that stack) the restarted
+        # control plane tears down at once: the stop has decided their fate already.
+        await day.until.nothing_left_of(agents, SETTLED_S)
+        await day.until.all_sandboxes_gone(agents, SETTLED_S)  # and their rows say so
+        day.measurements["sandboxes_gone_after_restart_s"] = (
+            time.time_ns() - restarting_ns) / 1e9
 
         await day.expect.no_model_call_between(
             agents, crash.started_ns + round((day.lease_s + MARGIN_S) * 1e9), None,

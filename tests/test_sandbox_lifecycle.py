@@ -4,6 +4,10 @@ daemon exited, when the sandbox was gone and its last sync, each when it happene
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import socket
 import uuid
 from collections.abc import AsyncIterator
 from datetime import datetime
@@ -13,7 +17,7 @@ from typing import Any
 import pytest
 
 from covey.sandbox import processes_marked
-from covey.testing.plane import World, make_world, start_plane
+from covey.testing.plane import World, free_port, make_world, start_plane
 from harness.puppet import Puppet
 from harness.waiting import eventually
 from tests.conftest import COVEYD
@@ -184,3 +188,45 @@ async def test_a_warm_session_ending_after_a_kill_does_not_park_its_sandbox(
         "a killed session's late end was taken as falling asleep")
     states = [s["state"] for s in await _sandboxes(world, agent["id"])]
     assert "parked" not in states, f"a killed agent's warm sandbox was parked: {states}"
+
+
+async def test_a_restarted_plane_tears_down_a_stopped_agents_orphans_at_once(
+        world: World, tmp_path: Path) -> None:
+    """A control plane SIGKILLed in the middle of a fleet kill leaves its sandboxes behind.
+    Started again (same host and port), it tears down at once those of agents a stop holds,
+    and gives the others' daemons their lease (here a long one) to stop on their own. A game
+    day found a killed agent's containers outliving its fleet kill by the restart plus two
+    leases."""
+    port = free_port()
+    killed, running = await world.agent(), await world.agent()
+    assert (await world.security.post(f"/api/v1/agents/{killed['id']}/kill")).status_code == 200
+    left: dict[str, asyncio.subprocess.Process] = {}
+    for agent in (killed, running):
+        sandbox_id = uuid.uuid4()
+        await world.db.execute(
+            "INSERT INTO sandboxes (id, agent_id, backend, handle, state, node)"
+            " VALUES ($1, $2, 'process', '0', 'running', $3)", sandbox_id,
+            uuid.UUID(agent["id"]), f"{socket.gethostname()}:{port}:beforethecrash")
+        left[agent["id"]] = await asyncio.create_subprocess_exec(
+            "sleep", "120", env={"PATH": os.environ["PATH"],
+                                 "COVEY_SANDBOX_ID": str(sandbox_id)})
+    try:
+        async with start_plane(world.plane.database_url, tmp_path / "restarted", COVEYD,
+                               port=port, lease_ms=30_000):
+            async def settled() -> bool:
+                return left[killed["id"]].returncode is not None and await world.db.fetchval(
+                    "SELECT state='gone' AND gone_at IS NOT NULL FROM sandboxes"
+                    " WHERE agent_id=$1", uuid.UUID(killed["id"]))
+            await eventually(settled, 15, "the killed agent's sandbox of the previous life "
+                             "was not torn down (and recorded gone) at start-up")
+            assert left[running["id"]].returncode is None, (
+                "a runnable agent's sandbox of the previous life was torn down before its "
+                "daemon's lease had passed")
+            assert await world.db.fetchval(
+                "SELECT state FROM sandboxes WHERE agent_id=$1",
+                uuid.UUID(running["id"])) == "running"
+    finally:
+        for process in left.values():
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()

@@ -4,8 +4,10 @@ fail it, naming the offending events."""
 from __future__ import annotations
 
 from harness.checkers import FinalState, FinalTask
+from harness.nemesis.plane import PLANE
 from harness.switch_checkers import (
     KILL_CONFIRM_MARGIN_NS,
+    PLANE_TARGET,
     TEARDOWN_BOUND_NS,
     fleet_resume_keeps_own_kills,
     kill_confirmed_within_lease,
@@ -168,6 +170,48 @@ def test_a_stop_released_before_the_bound_is_undecided() -> None:
     day.resume_agent("a1", 1000, 1010)
     _box(day, "b1", 0, None)
     assert no_sandbox_alive_after_stop(day.history, FinalState()).valid == "unknown"
+
+
+def _plane_crash(day: GameDay, down_ms: float, back_ms: float | None) -> None:
+    value = {"fault_id": "control-plane-1", "kind": "restart", "target": PLANE_TARGET}
+    day.history.observe("nemesis", "fault_start", value, time_ns=int(down_ms * MS))
+    if back_ms is not None:
+        day.history.observe("nemesis", "fault_heal", {**value, "healed_by": "deadline"},
+                            time_ns=int(back_ms * MS))
+
+
+def test_the_teardown_bound_counts_only_the_time_the_control_plane_was_up() -> None:
+    """The control plane tears sandboxes down: crashed 10 s right after the kill, it has the
+    bound from its return (the daemons' own stop is the lease checker's to judge)."""
+    assert PLANE_TARGET == PLANE, "the checker must know the nemesis's name for the plane"
+    bound_ms = TEARDOWN_BOUND_NS / MS
+    for gone_ms, valid in ((150 + 10_000 + bound_ms - 100, True),
+                           (150 + 10_000 + bound_ms + 500, False)):
+        day = GameDay()
+        day.kill_fleet(100, 150)
+        _plane_crash(day, 200, 10_200)
+        _box(day, "b1", 0, gone_ms)
+        verdict = no_sandbox_alive_after_stop(day.history, FinalState())
+        assert verdict.valid is valid, verdict.message
+        if not valid:
+            assert "10000.0 ms of it the control plane lay crashed" in verdict.message
+
+
+def test_a_crash_before_the_kill_gives_no_more_time() -> None:
+    day = GameDay()
+    _plane_crash(day, 10, 90)
+    day.kill_fleet(100, 150)
+    _box(day, "b1", 0, 150 + TEARDOWN_BOUND_NS / MS + 500)
+    assert no_sandbox_alive_after_stop(day.history, FinalState()).valid is False
+
+
+def test_a_control_plane_that_never_came_back_leaves_the_teardown_undecided() -> None:
+    day = GameDay()
+    day.kill_fleet(100, 150)
+    _plane_crash(day, 200, None)
+    _box(day, "b1", 0, None)
+    verdict = no_sandbox_alive_after_stop(day.history, FinalState())
+    assert verdict.valid == "unknown" and "never came back" in verdict.message
 
 
 # ---------------------------------------------------------------- fleet resume, own kills
