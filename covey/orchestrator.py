@@ -59,6 +59,9 @@ ORPHAN_GRACE_MIN_S = 5.0
 # The one definition of "this agent may run" (agents as a, organisations as o): its own flag,
 # its organisation's, and the control plane's global flag. Every wake path, every claim and
 # every lease renewal uses it; a rule restated per query once left a path that ignored a flag.
+# How often a kill reads whether the daemons another replica holds have confirmed it.
+REMOTE_CONFIRM_POLL_S = 0.02
+
 FLEET_KILLED_TITLE = (
     "The emergency stop was pulled: every agent of this organisation is paused"
 )
@@ -844,9 +847,48 @@ class Orchestrator:
         # The answer waits until the daemons have the kill in hand: a game day once saw a
         # model call leave a sandbox after the acknowledgement, the kill still on its way
         # through a proxy. Bounded: a daemon that cannot answer is stopped by its lease.
-        report.kill_confirmed = await self.hub.wait_stopped(
-            report.kill_delivered, min(self.settings.lease_ms / 1000, 2.0))
-        report.kill_acknowledged = self.hub.acknowledged(report.kill_confirmed)
+        # Those another replica holds too: a game day pulled a kill on one replica and had
+        # its answer before the daemon on the other had even heard of it.
+        bound_s = min(self.settings.lease_ms / 1000, 2.0)
+        here = set(report.kill_delivered)
+        local, remote = await asyncio.gather(
+            self.hub.wait_stopped(report.kill_delivered, bound_s),
+            self._confirmed_elsewhere([s["id"] for s in live if s["id"] not in here],
+                                      bound_s))
+        report.kill_confirmed = [*local, *remote]
+        report.kill_acknowledged = [*self.hub.acknowledged(local),
+                                    *(s for s, how in remote.items() if how == "kill_ack")]
+
+    async def _confirmed_elsewhere(self, session_ids: list[UUID], timeout_s: float
+                                   ) -> dict[UUID, str]:
+        """Of these sessions (cancelled by this kill, their daemon not connected here), wait
+        at most `timeout_s` for those whose daemon another replica holds (its session, which
+        it renewed within the lease) to confirm the kill there: that replica writes the
+        confirmation on the session. Returns how each that did confirmed it. The database
+        going away ends the wait (the daemons stop by their lease); it fails nothing."""
+        if not session_ids:
+            return {}
+        confirmed: dict[UUID, str] = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            held = await self.switch_pool.fetch(
+                "SELECT id FROM sessions WHERE id = ANY($1::uuid[]) AND node <> $2"
+                " AND last_seen_at > now() - make_interval(secs => $3)",
+                session_ids, self.node, self.settings.lease_ms / 1000)
+            waiting = [r["id"] for r in held]
+            while waiting:
+                for r in await self.switch_pool.fetch(
+                        "SELECT id, kill_confirmed_by FROM sessions WHERE id = ANY($1::uuid[])"
+                        " AND kill_confirmed_by IS NOT NULL", waiting):
+                    confirmed[r["id"]] = r["kill_confirmed_by"]
+                waiting = [s for s in waiting if s not in confirmed]
+                if not waiting or time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(REMOTE_CONFIRM_POLL_S)
+        except (DatabaseUnavailable, asyncpg.PostgresConnectionError,
+                asyncpg.InterfaceError) as exc:
+            log.warning("kill confirmations of other replicas not read", error=str(exc))
+        return confirmed
 
     async def deliver_kills(self, session_ids: list[UUID]) -> None:
         """A kill announced by another replica (or by ourselves: sent at most once). The

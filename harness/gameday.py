@@ -121,6 +121,8 @@ class GameDay:
     report_dir: Path
     history: History = field(default_factory=History)
     people: dict[str, CoveyClient] = field(default_factory=dict)
+    # The same people talking to another replica (`as_(role, at=url)`), made on first use.
+    _people_at: dict[tuple[str, str], CoveyClient] = field(default_factory=dict, repr=False)
     agents: dict[str, dict[str, Any]] = field(default_factory=dict)
     steady_state: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -200,11 +202,17 @@ class GameDay:
             agent_id, title or self.fake.sentence(nb_words=5)), 201)
         return task
 
-    def as_(self, role: str) -> Operator:
-        """The game day's human of `role`, every call recorded in the history."""
+    def as_(self, role: str, at: str | None = None) -> Operator:
+        """The game day's human of `role`, every call recorded in the history; talking to the
+        control plane at `at` (another replica's URL) instead of the stack's."""
         if role not in self.people:
             raise KeyError(f"no {role} in this game day; people: {', '.join(self.people)}")
-        return Operator(self, role)
+        if at is None:
+            return Operator(self, role)
+        client = self._people_at.get((role, at))
+        if client is None:
+            client = self._people_at[(role, at)] = CoveyClient(at, self.people[role].token)
+        return Operator(self, role, client)
 
     @property
     def until(self) -> Until:
@@ -498,5 +506,5 @@ class GameDay:
         return outcome.final
 
     async def close(self) -> None:
-        for client in self.people.values():
+        for client in (*self.people.values(), *self._people_at.values()):
             await client.aclose()

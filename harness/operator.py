@@ -18,6 +18,7 @@ from harness.client import json_of
 from harness.waiting import eventually
 
 if TYPE_CHECKING:
+    from harness.client import CoveyClient
     from harness.gameday import GameDay
     from harness.nemesis import FaultRecord
 
@@ -32,9 +33,9 @@ def _id(agent: AgentRef) -> str:
 class Operator:
     """One human of the game day; each call recorded as an operation named after it."""
 
-    def __init__(self, day: GameDay, role: str) -> None:
+    def __init__(self, day: GameDay, role: str, client: CoveyClient | None = None) -> None:
         self.day, self.role = day, role
-        self.client = day.people[role]
+        self.client = day.people[role] if client is None else client
 
     async def kill_agent(self, agent: AgentRef) -> httpx.Response:
         a = _id(agent)

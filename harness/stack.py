@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +32,7 @@ import uvicorn
 from harness.nemesis import FaultRecord, Nemesis, RemoteFaultProxy
 from harness.nemesis.database import EmbeddedPostgres, PostgresContainer
 from harness.nemesis.watchdog import alive
+from harness.postgres import link_of, through
 from harness.puppet import LocalPuppet, Puppet, PuppetControl, RemotePuppet, create_app
 
 ADMIN_PASSWORD = "game-day-admin-password"
@@ -60,6 +61,25 @@ class Endpoints:
     # The control plane as a part the nemesis can crash and the stack can start again, where
     # the stack started it (processes, containers).
     control_plane: ControlPlane | None = None
+    # A second replica of the control plane on the same database, where the stack can start
+    # one (processes): started on the first ask, kept as long as the stack.
+    replica: Callable[[], Awaitable[Replica]] | None = None
+
+
+@dataclass(frozen=True)
+class Replica:
+    """A second `covey serve` on the stack's database, reached through a fault proxy of the
+    nemesis (`database_link`), so that a game day can cut that replica off its database while
+    the first one serves on. Its daemons connect to it directly."""
+
+    url: str
+    port: int  # its sessions' `node` is "host:PORT:…"
+    database_link: str  # the name of the nemesis's proxy between it and Postgres
+    plane: PlaneProcess
+
+    def holds(self, session: dict[str, Any]) -> bool:
+        """Whether this replica holds the session's daemon connection."""
+        return f":{self.port}:" in str(session.get("node", ""))
 
 
 class ControlPlane(Protocol):
@@ -70,6 +90,13 @@ class ControlPlane(Protocol):
     async def start(self) -> None:
         """Start it again as the stack first did; returns once it answers /healthz."""
         ...
+
+    async def pause(self, deadline_s: float) -> FaultRecord:
+        """Freeze it (SIGSTOP, docker pause) until `resume` or the deadline, logged by the
+        nemesis: while it is frozen, another replica alone takes up the work."""
+        ...
+
+    async def resume(self) -> None: ...
 
 
 class Stack(Protocol):
@@ -212,6 +239,14 @@ class PlaneProcess:
         await self.process.wait()
         return record
 
+    async def pause(self, deadline_s: float) -> FaultRecord:
+        assert self.process is not None
+        return await self.nemesis.pause_process(self.process.pid, deadline_s)
+
+    async def resume(self) -> None:
+        assert self.process is not None
+        await self.nemesis.resume_process(self.process.pid)
+
     async def stop(self) -> None:
         process = self.process
         if process is None or process.returncode is not None:
@@ -224,6 +259,46 @@ class PlaneProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             await process.wait()
+
+
+class SecondReplica:
+    """The processes stack's second replica: `covey serve` on the same database through a
+    fault proxy in a process of its own ("database-replica-b", registered with the nemesis),
+    its own data folder and daemons, the same model; started on the first `get`."""
+
+    LINK = "database-replica-b"
+
+    def __init__(self, nemesis: Nemesis, env: dict[str, str], database_url: str,
+                 workdir: Path, log_dir: Path) -> None:
+        self.nemesis, self.env, self.database_url = nemesis, env, database_url
+        self.workdir, self.log_dir = workdir, log_dir
+        self._owned = contextlib.AsyncExitStack()
+        self._replica: Replica | None = None
+        self._starting = asyncio.Lock()
+
+    async def get(self) -> Replica:
+        async with self._starting:
+            if self._replica is None:
+                self._replica = await self._start()
+            return self._replica
+
+    async def _start(self) -> Replica:
+        link = await self._owned.enter_async_context(
+            proxy_process(self.LINK, link_of(self.database_url), self.log_dir))
+        await self.nemesis.add_remote(link)
+        assert link.port is not None
+        port = free_port()
+        env = {**self.env, "DATABASE_URL": through(self.database_url, link.port),
+               "COVEY_DATA_DIR": str(self.workdir / "data-replica-b"),
+               "COVEY_PUBLIC_WS_URL": f"ws://127.0.0.1:{port}/api/daemon/ws"}
+        plane = PlaneProcess(self.nemesis, port, env,
+                             self.log_dir / f"control-plane-{self.workdir.name}-replica-b.log")
+        self._owned.push_async_callback(plane.stop)
+        await plane.start_once()
+        return Replica(plane.url, port, self.LINK, plane)
+
+    async def stop(self) -> None:
+        await self._owned.aclose()
 
 
 @dataclass
@@ -275,11 +350,15 @@ class ProcessesStack:
                     raise RuntimeError(f"covey bootstrap failed: {err.decode()[-2000:]}")
                 plane = PlaneProcess(nemesis, port, env, log_path)
                 health = await plane.start_once()
-                yield Endpoints(plane.url, admin, ADMIN_PASSWORD, puppet, puppet_url,
-                                {"covey": health.get("version", "?"),
-                                 "python": sys.version.split()[0]}, nemesis,
-                                platform, ADMIN_PASSWORD, lease_ms=lease_of(health),
-                                data_dir=workdir / "data", control_plane=plane)
+                replicas = SecondReplica(nemesis, env, database_url, workdir, self.report_dir)
+                async with contextlib.AsyncExitStack() as owned:
+                    owned.push_async_callback(replicas.stop)
+                    yield Endpoints(plane.url, admin, ADMIN_PASSWORD, puppet, puppet_url,
+                                    {"covey": health.get("version", "?"),
+                                     "python": sys.version.split()[0]}, nemesis,
+                                    platform, ADMIN_PASSWORD, lease_ms=lease_of(health),
+                                    data_dir=workdir / "data", control_plane=plane,
+                                    replica=replicas.get)
         finally:
             if plane is not None:
                 await plane.stop()
@@ -371,6 +450,12 @@ class PlaneContainer:
 
     async def kill(self) -> FaultRecord:
         return await self.nemesis.kill_container(self.name)
+
+    async def pause(self, deadline_s: float) -> FaultRecord:
+        return await self.nemesis.pause_container(self.name, deadline_s)
+
+    async def resume(self) -> None:
+        await self.nemesis.resume_container(self.name)
 
     async def start(self) -> None:
         import docker

@@ -48,6 +48,12 @@ async def test_kill_on_one_replica_stops_a_daemon_connected_to_the_other(
             r = await client.post(f"/api/v1/agents/{agent['id']}/kill")
         assert r.status_code == 200, r.text
         assert r.json()["tasks_requeued"] == [task["id"]]
+        session = await world.db.fetchval(
+            "SELECT id FROM sessions WHERE agent_id=$1", uuid.UUID(agent["id"]))
+        # The answer waits for the daemon the other replica holds, as for one of its own.
+        assert r.json()["sessions_acknowledged"] == [str(session)], (
+            f"a kill pulled on the replica without the daemon answered before the daemon on "
+            f"the other had acknowledged it: {r.text}")
 
         async def heard_kill() -> bool:
             return any(m["dir"] == "in" and m["type"] == "kill"
