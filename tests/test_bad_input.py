@@ -461,3 +461,57 @@ async def test_a_page_form_with_too_many_fields_is_refused_not_a_500(world: Worl
     assert r.status_code == 400, (r.status_code, r.text[:200])
     assert r.json()["error"] == "Too many form fields"
     assert await world.snapshot() == before
+
+
+async def test_a_message_whose_handling_fails_ends_the_channel_at_once(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Handling a daemon's message failed on the database (an outage): the channel used to
+    close only when the daemon next spoke, its session live and its task in progress until
+    then, however quiet the daemon. It closes now (4503: the database is away), and the
+    session is lost, its work back in the backlog."""
+    import asyncpg
+
+    import covey.api.daemon as daemon
+    from harness.waiting import eventually
+
+    handle = daemon._handle
+
+    async def outage(orch: Any, link: Any, kind: str, payload: dict[str, Any]) -> None:
+        if kind == "event":
+            raise asyncpg.PostgresConnectionError("connection to the database was lost")
+        await handle(orch, link, kind, payload)
+    monkeypatch.setattr(daemon, "_handle", outage)
+
+    ids, token = await _sandbox_with_token(world)
+    task_id = uuid.uuid4()
+    await world.db.execute(
+        "INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin)"
+        " VALUES ($1, $2, $3, 't', 'hold', 'api')", task_id, world.org.id,
+        uuid.UUID(ids["agent_id"]))
+    headers = {"Authorization": f"Bearer {token}"}
+    async with websockets.connect(world.plane.ws_url, additional_headers=headers) as ws:
+        await ws.send(json.dumps({"type": "ready", "payload": ids}))
+        while json.loads(await ws.recv())["type"] != "assign_task":
+            pass
+        await ws.send(json.dumps({"type": "event", "payload": {"kind": "note"}}))
+        # The daemon says nothing more; leases may still arrive before the close.
+        try:
+            async with asyncio.timeout(10):
+                while True:
+                    await ws.recv()
+        except websockets.ConnectionClosed as exc:
+            closed = exc
+        except TimeoutError:
+            pytest.fail("the channel of a daemon whose message met a database outage was "
+                        "still open 10 s later: it closed only when the daemon next spoke")
+        assert closed.rcvd is not None and closed.rcvd.code == 4503, (
+            f"the channel of a daemon whose message met a database outage closed with "
+            f"{closed.rcvd}, not 4503")
+
+    async def lost() -> bool:
+        return bool(await world.db.fetchval(
+            "SELECT state='lost' FROM sessions WHERE sandbox_id=$1",
+            uuid.UUID(ids["sandbox_id"])))
+    await eventually(lost, 5, "the session of the daemon whose channel closed is still live")
+    assert await world.db.fetchval("SELECT state FROM backlog_tasks WHERE id=$1",
+                                   task_id) == "open"

@@ -216,11 +216,17 @@ async def _serve(orch: Orchestrator, ws: WebSocket, link: DaemonLink,
     await _take_up(orch, link, session)
     heard: asyncio.Queue[Heard | None] = asyncio.Queue()
     handling = asyncio.ensure_future(_handle_in_order(orch, link, heard))
+    receiving: asyncio.Future[str] | None = None
     try:
         while True:
-            text = await _receive_text(ws)
-            if handling.done():  # it failed: its error ends the channel, as it always did
+            # Read while watching the handling: when it fails (a write met a database
+            # outage), its error ends the channel now, not when the daemon next speaks (a
+            # quiet daemon's next heartbeat is seconds away, its session live meanwhile).
+            receiving = asyncio.ensure_future(_receive_text(ws))
+            await asyncio.wait((receiving, handling), return_when=asyncio.FIRST_COMPLETED)
+            if handling.done():
                 break
+            text = receiving.result()
             try:
                 kind, payload = parse(text)
             except ProtocolError as exc:
@@ -233,6 +239,10 @@ async def _serve(orch: Orchestrator, ws: WebSocket, link: DaemonLink,
         handling.cancel()
         raise
     finally:
+        if receiving is not None and not receiving.done():
+            receiving.cancel()  # the handling's error ends the channel
+        elif receiving is not None and not receiving.cancelled():
+            receiving.exception()  # seen by the loop above, or moot beside that error
         # What the daemon said before it hung up is still handled: a task's result, its
         # kill's confirmation.
         heard.put_nowait(None)
