@@ -540,17 +540,20 @@ class Runner:
         try:
             exit_ = await self._provider.wait(handle)
             self._handles.pop(sandbox_id, None)
-            # Daemons stop on their own when the database goes away (their leases lapse):
-            # their exits come in just then, and must be recorded once it is back.
-            await through_outage(lambda: self._record_exit.write(
-                sandbox_id, exit_.code, _at(exit_.at_ns)), "sandbox exit")
             log.info("sandbox exited", sandbox_id=str(sandbox_id), exit_code=exit_.code)
+            # Removed before anything is written: daemons stop on their own when the database
+            # goes away (their leases lapse), and what is left of them (a stopped container)
+            # must not wait for the database to come back. A game day cut one replica off
+            # its database and found its stopped daemons' containers still there.
             gone: datetime | None = None
             try:
                 await self._provider.remove(handle)
                 gone = _at(time.time_ns())
             except Exception as exc:  # over, but no gone_at: nobody may read it as gone
                 log.error("sandbox not removed", sandbox_id=str(sandbox_id), error=str(exc))
+            # Their exits, at the time they happened, are recorded once it is back.
+            await through_outage(lambda: self._record_exit.write(
+                sandbox_id, exit_.code, _at(exit_.at_ns)), "sandbox exit")
             session_id = self._session_of.pop(sandbox_id)
             clean = await through_outage(lambda: self._on_exit(
                 sandbox_id, session_id, exit_.code), "daemon loss") and exit_.code == 0

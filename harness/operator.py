@@ -106,10 +106,12 @@ class Until:
         await eventually(gone, deadline_s, f"a sandbox of {len(ids)} stopped agents kept "
                          f"running: a stop that leaves a sandbox up has not stopped the agent")
 
-    async def nothing_left_of(self, agents: list[AgentRef], deadline_s: float = 30) -> None:
+    async def nothing_left_of(self, agents: list[AgentRef], deadline_s: float = 30,
+                              broken: str = "a killed agent's sandbox was left behind") -> None:
         """Nothing of these (killed) agents' sandboxes exists any more on this machine: no
         process, no container, looked at directly rather than read from the control plane.
-        Each agent's last look lands in the history, for `nothing_left_of_killed_agent`."""
+        Each agent's last look lands in the history, for `nothing_left_of_killed_agent`.
+        `broken` says which rule a leftover breaks."""
         ids = self._agents(agents)
         left: dict[str, list[str] | None] = {}
 
@@ -122,7 +124,7 @@ class Until:
                              "sandboxes may be left")
         except AssertionError:
             raise AssertionError(
-                f"a killed agent's sandbox was left behind after {deadline_s:.0f} s: "
+                f"{broken} after {deadline_s:.0f} s: "
                 + "; ".join(f"agent {a}: {', '.join(r or [])}" for a, r in left.items() if r)
                 + ". A stop that leaves a process or container up has not stopped the agent"
             ) from None

@@ -73,13 +73,13 @@ class Replica:
     the first one serves on. Its daemons connect to it directly."""
 
     url: str
-    port: int  # its sessions' `node` is "host:PORT:…"
+    node_prefix: str  # its sessions' `node` is "HOST:PORT:…", as covey names a replica
     database_link: str  # the name of the nemesis's proxy between it and Postgres
-    plane: PlaneProcess
+    plane: ControlPlane
 
     def holds(self, session: dict[str, Any]) -> bool:
         """Whether this replica holds the session's daemon connection."""
-        return f":{self.port}:" in str(session.get("node", ""))
+        return str(session.get("node", "")).startswith(self.node_prefix)
 
 
 class ControlPlane(Protocol):
@@ -261,12 +261,15 @@ class PlaneProcess:
             await process.wait()
 
 
+REPLICA_LINK = "database-replica-b"  # the nemesis's proxy between the second replica and Postgres
+
+
 class SecondReplica:
     """The processes stack's second replica: `covey serve` on the same database through a
-    fault proxy in a process of its own ("database-replica-b", registered with the nemesis),
-    its own data folder and daemons, the same model; started on the first `get`."""
+    fault proxy in a process of its own (REPLICA_LINK, registered with the nemesis), its own
+    data folder and daemons, the same model; started on the first `get`."""
 
-    LINK = "database-replica-b"
+    LINK = REPLICA_LINK
 
     def __init__(self, nemesis: Nemesis, env: dict[str, str], database_url: str,
                  workdir: Path, log_dir: Path) -> None:
@@ -295,7 +298,7 @@ class SecondReplica:
                              self.log_dir / f"control-plane-{self.workdir.name}-replica-b.log")
         self._owned.push_async_callback(plane.stop)
         await plane.start_once()
-        return Replica(plane.url, port, self.LINK, plane)
+        return Replica(plane.url, f"{socket.gethostname()}:{port}:", self.LINK, plane)
 
     async def stop(self) -> None:
         await self._owned.aclose()
@@ -588,6 +591,55 @@ class ContainersStack:
                     "control-channel", f"http://127.0.0.1:{channel_port}"))
                 nemesis.database = PostgresContainer(
                     str(postgres.get_wrapped_container().name))
+                replicas: list[Replica] = []
+                starting = asyncio.Lock()
+
+                async def replica() -> Replica:
+                    """A second control-plane container on the same database, through a
+                    proxy container the nemesis steers (started on the first ask)."""
+                    async with starting:
+                        if replicas:
+                            return replicas[0]
+                        link_port, b_port = free_port(), free_port()
+                        await asyncio.to_thread(start, DockerContainer(self.image)
+                                                .with_network(network)
+                                                .with_network_aliases("database-b")
+                                                .with_kwargs(labels=labels)
+                                                .with_command([
+                                                    "python", "-m", "harness.nemesis",
+                                                    "--name", REPLICA_LINK,
+                                                    "--target", "postgres:5432",
+                                                    "--listen", "0.0.0.0:5433",
+                                                    "--control", "0.0.0.0:8082"]),
+                                                (8082, link_port))
+                        await wait_until_healthy(f"http://127.0.0.1:{link_port}", 30,
+                                                 path="/faults")
+                        await nemesis.add_remote(RemoteFaultProxy(
+                            REPLICA_LINK, f"http://127.0.0.1:{link_port}"))
+                        b_env = {**env,
+                                 "DATABASE_URL": "postgresql://postgres@database-b:5433/postgres",
+                                 "COVEY_DATA_DIR": str(workdir / "data-b"),
+                                 "COVEY_PUBLIC_WS_URL": "ws://replica-b:8080/api/daemon/ws"}
+                        b = await asyncio.to_thread(
+                            start, DockerContainer(self.image)
+                            .with_network(network)
+                            .with_network_aliases("replica-b")
+                            .with_envs(**b_env)
+                            .with_volume_mapping("/var/run/docker.sock",
+                                                 "/var/run/docker.sock", "rw")
+                            .with_volume_mapping(str(workdir), str(workdir), "rw")
+                            .with_kwargs(labels=labels)
+                            .with_command(["covey", "serve", "--host", "0.0.0.0",
+                                           "--port", "8080"]),
+                            (8080, b_port))
+                        b_url = f"http://127.0.0.1:{b_port}"
+                        await wait_until_healthy(b_url, 90)
+                        wrapped = b.get_wrapped_container()
+                        wrapped.reload()
+                        replicas.append(Replica(
+                            b_url, f"{wrapped.attrs['Config']['Hostname']}:8080:",
+                            REPLICA_LINK, PlaneContainer(nemesis, str(wrapped.name), b_url)))
+                        return replicas[0]
                 yield Endpoints(url, admin, ADMIN_PASSWORD,
                                 RemotePuppet(f"http://127.0.0.1:{puppet_port}"),
                                 "http://puppet:9000/v1",
@@ -596,7 +648,8 @@ class ContainersStack:
                                 platform, ADMIN_PASSWORD, lease_ms=lease_of(health),
                                 data_dir=workdir / "data",  # the same path on this host
                                 control_plane=PlaneContainer(
-                                    nemesis, str(plane.get_wrapped_container().name), url))
+                                    nemesis, str(plane.get_wrapped_container().name), url),
+                                replica=replica)
         finally:
             await asyncio.to_thread(self._tear_down, containers, network, gameday, workdir)
 

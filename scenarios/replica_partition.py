@@ -5,7 +5,10 @@ stop within their lease (fail closed), while A serves on, stops what it is asked
 B's lost work back into the backlog. Once the link heals, B serves again, and every task ends
 done exactly once.
 
-    pytest scenarios/replica_partition.py   (the processes stack starts the second replica)
+    pytest scenarios/replica_partition.py [--stack containers|processes]
+
+The stack starts the second replica (a process, or a container) behind a fault proxy of its
+own between it and Postgres.
 """
 
 from __future__ import annotations
@@ -57,7 +60,9 @@ async def test_a_partitioned_replica_fails_closed_and_the_other_serves_on(
         # B loses its database: its daemons stop within their lease, whatever B is doing.
         cut = await day.endpoints.nemesis[b.database_link].blackhole(CUT_S)
         bound_s = day.lease_s + STOP_MARGIN_S
-        await day.until.nothing_left_of(cut_off, bound_s)
+        await day.until.nothing_left_of(cut_off, bound_s, "a daemon replica B held ran on "
+                                        "with B cut off from its database (or its sandbox "
+                                        "was left behind): its lease did not fail closed")
         gone_s = (time.time_ns() - cut.started_ns) / 1e9
         day.measurements["replica_b_daemons_gone_s"] = gone_s
         day.notes.append(f"replica B's daemons were gone {gone_s:.2f} s after B lost its "
