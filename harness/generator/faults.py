@@ -6,8 +6,9 @@ Every entry reaches the system under test only through the game day's nemesis, s
 carries the nemesis's deadline and heals itself at it (or when the harness is gone). A new
 kind of fault joins the generator by adding an entry here; the schedule and the player know
 faults by name only. Beside the control channel and the sandboxes: the database paused or
-restarted, and the control plane crashed (SIGKILL) and started again at the deadline, also
-in the middle of a fleet kill; a daemon's SIGKILL is `kill_sandbox`.
+restarted, the control plane crashed (SIGKILL) and started again at the deadline, also in the
+middle of a fleet kill, and a second replica cut off from the database; a daemon's SIGKILL is
+`kill_sandbox`.
 """
 
 from __future__ import annotations
@@ -208,6 +209,22 @@ async def crash_control_plane_mid_fleet_kill(day: GameDay, params: dict[str, Any
     return {**record.to_json(), "flag_committed_first": committed, "fleet_kill": answer}
 
 
+def _has_replica(day: GameDay) -> str | None:
+    if day.endpoints.replica is not None:
+        return None
+    return f"the {day.stack} stack cannot start a second replica"
+
+
+async def partition_replica(day: GameDay, params: dict[str, Any]) -> dict[str, Any]:
+    """Blackhole the second replica's link to Postgres until the deadline: its daemons
+    cannot have their leases renewed, and the first replica serves on. (The game day's set-up
+    starts the replica when its schedule holds this fault, so that it holds work by then.)"""
+    assert day.endpoints.replica is not None
+    replica = await day.endpoints.replica()
+    link = day.endpoints.nemesis[replica.database_link]
+    return (await link.blackhole(params["deadline_s"])).to_json()
+
+
 def _agent(_: random.Random, __: float) -> dict[str, Any]:
     return {}
 
@@ -224,6 +241,7 @@ FAULTS: dict[str, FaultAction] = {
     "crash_control_plane": FaultAction(crash_control_plane, _deadline, False, _has_plane),
     "crash_control_plane_mid_fleet_kill": FaultAction(crash_control_plane_mid_fleet_kill,
                                                       _deadline, False, _has_plane),
+    "partition_replica": FaultAction(partition_replica, _deadline, False, _has_replica),
 }
 
 

@@ -87,7 +87,13 @@ async def ride_out(day: GameDay, what: str, read: Callable[[], Awaitable[T]]) ->
 
 
 async def set_up(day: GameDay, schedule: Schedule) -> list[dict[str, Any]]:
-    """The schedule's agents, each with a heartbeat to fire and its first tasks."""
+    """The schedule's agents, each with a heartbeat to fire and its first tasks; and the
+    second replica first, when the schedule partitions it, so that it takes up work too."""
+    if day.endpoints.replica is not None and any(
+            s.kind == "fault" and s.name == "partition_replica" for s in schedule.steps):
+        replica = await day.endpoints.replica()
+        day.notes.append(f"a second replica serves at {replica.url} (its database link: "
+                         f"{replica.database_link})")
     agents = []
     for plan in schedule.agents:
         agent = await day.agent(plan.behaviour, warm=plan.warm,

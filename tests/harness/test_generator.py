@@ -35,7 +35,7 @@ from harness.history import History
 
 FAULT_NAMES = sorted(fault_registry.FAULTS)
 OUTAGE_FAULTS = {"pause_database", "restart_database", "crash_control_plane",
-                 "crash_control_plane_mid_fleet_kill", "kill_sandbox"}
+                 "crash_control_plane_mid_fleet_kill", "kill_sandbox", "partition_replica"}
 
 
 def test_a_seed_gives_one_schedule_and_another_seed_another() -> None:
@@ -243,13 +243,15 @@ def test_the_outage_faults_are_drawn_from_the_seed_alone() -> None:
 
 def _stack(name: str, *, database: object | None, plane: object | None) -> Any:
     nemesis = SimpleNamespace(database=database, proxies={})
-    return SimpleNamespace(stack=name, endpoints=SimpleNamespace(nemesis=nemesis,
-                                                                 control_plane=plane))
+    # A stack that runs its control plane can start a second replica of it.
+    return SimpleNamespace(stack=name, endpoints=SimpleNamespace(
+        nemesis=nemesis, control_plane=plane, replica=None if plane is None else object()))
 
 
 def test_outage_faults_are_offered_only_where_the_stack_runs_the_part() -> None:
-    """The processes and containers stacks run their database and control plane: both can
-    be faulted. A target deployment's are not the harness's to restart."""
+    """The processes and containers stacks run their database and control plane (and can
+    start a second replica): all can be faulted. A target deployment's are not the harness's
+    to restart."""
     here = fault_registry.usable_faults(_stack("processes", database=object(),
                                                 plane=object()))
     assert OUTAGE_FAULTS <= set(here)
