@@ -527,12 +527,8 @@ class Orchestrator:
                 await emit_status(conn, agent["org_id"], row["agent_id"], "sleeping")
         return "sleep" if parked is None else "park"
 
-    async def session_lost(self, session_id: UUID, why: str, counted: bool = True
-                           ) -> list[UUID]:
-        """The daemon went away without a clean end: requeue its task, counting retries
-        unless `counted` is false: a daemon that failed closed (its kill-flag lease lapsed,
-        its control plane lost its database) did what it must, and five database outages
-        must not fail a task as if its daemon had crashed five times.
+    async def session_lost(self, session_id: UUID, why: str) -> list[UUID]:
+        """The daemon went away without a clean end: requeue its task, counting retries.
 
         The requeue's NOTIFY wakes the agent again, through the same flag checks as any wake.
         """
@@ -560,11 +556,11 @@ class Orchestrator:
             tasks = await conn.fetch(
                 """
                 WITH moved AS (
-                    UPDATE backlog_tasks SET daemon_retries=daemon_retries+$4,
-                           state=CASE WHEN daemon_retries+$4 > $2 THEN 'failed' ELSE 'open' END,
+                    UPDATE backlog_tasks SET daemon_retries=daemon_retries+1,
+                           state=CASE WHEN daemon_retries+1 > $2 THEN 'failed' ELSE 'open' END,
                            -- A task given up on says why where its result would be: the
                            -- operator who finds it failed need not dig through transitions.
-                           result=CASE WHEN daemon_retries+$4 > $2
+                           result=CASE WHEN daemon_retries+1 > $2
                                   THEN 'failed: its daemon was lost ' || (daemon_retries+1)
                                        || ' times (at most ' || $2 || ' retries); last: ' || $3
                                   ELSE result END,
@@ -574,13 +570,11 @@ class Orchestrator:
                 ), logged AS (
                     INSERT INTO task_transitions (task_id, from_state, to_state, note)
                     SELECT id, 'in_progress', state,
-                           CASE WHEN $4 = 1 THEN 'daemon lost (retry ' || daemon_retries || '): '
-                                ELSE 'daemon failed closed (not counted as a retry): ' END
-                           || $3 FROM moved
+                           'daemon lost (retry ' || daemon_retries || '): ' || $3 FROM moved
                 )
                 SELECT id, state FROM moved
                 """,
-                session_id, max_retries, why, 1 if counted else 0,
+                session_id, max_retries, why,
             )
             agent = await conn.fetchrow(
                 "UPDATE agents SET status='sleeping' WHERE id=$1 AND NOT killed"
@@ -653,10 +647,7 @@ class Orchestrator:
     async def sandbox_exited(self, sandbox_id: UUID, session_id: UUID, code: int) -> bool:
         """Settle the session of a sandbox whose daemon exited; True if it had ended cleanly
         (told to sleep), so that its home is worth syncing or parking."""
-        # Exit 3 is the kill switch: not sent from here, the daemon failed closed (its lease
-        # lapsed, or a kill through another replica): no crash to count.
-        await self.session_lost(session_id, f"daemon exited with code {code}",
-                                counted=code != 3)
+        await self.session_lost(session_id, f"daemon exited with code {code}")
         if code != 0 and self.hub.kill_sent(session_id):  # cancelled by a kill: not clean
             return False
         state = await self.pool.fetchval("SELECT state FROM sessions WHERE id=$1", session_id)

@@ -258,33 +258,6 @@ async def test_daemon_loss_requeues_with_retries_then_fails(world: World) -> Non
     assert [s["state"] for s in sessions] == ["lost"] * 6
 
 
-async def test_a_daemon_that_fails_closed_is_not_counted_as_lost(world: World) -> None:
-    """A daemon whose kill-flag lease lapsed (a database outage, a cut channel) stops by
-    itself, as it must: its work goes back to the backlog without a retry counted, or five
-    outages would fail a task as if its daemon had crashed five times. (This daemon fails
-    closed at once, every time: it is woken again each time, until a kill holds it.)"""
-    agent = await world.agent()
-    aid = uuid.UUID(agent["id"])
-    task = await world.task(agent["id"], "lapse")
-
-    async def lost_often() -> bool:
-        return bool(await world.db.fetchval(
-            "SELECT count(*) >= 7 FROM sessions WHERE agent_id=$1 AND state='lost'", aid))
-    await eventually(lost_often, 60, "the daemon that fails closed was not woken again "
-                     "after each loss")
-    assert (await world.security.post(f"/api/v1/agents/{agent['id']}/kill")).status_code == 200
-    row = await world.db.fetchrow("SELECT state, daemon_retries FROM backlog_tasks WHERE id=$1",
-                                  uuid.UUID(task["id"]))
-    assert row["daemon_retries"] == 0 and row["state"] == "open", (
-        f"losses of a daemon that failed closed were counted as crashes: {dict(row)}")
-    notes = await world.db.fetch(
-        "SELECT DISTINCT note FROM task_transitions WHERE task_id=$1"
-        " AND from_state='in_progress' AND to_state='open' AND note LIKE 'daemon%'",
-        uuid.UUID(task["id"]))
-    assert notes and all(n["note"].startswith("daemon failed closed (not counted as a "
-                                              "retry): ") for n in notes), notes
-
-
 async def test_daemon_loss_during_a_stop_does_not_wake(world: World) -> None:
     agent = await world.agent()
     task = await world.task(agent["id"], "crash-later")

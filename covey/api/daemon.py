@@ -193,13 +193,8 @@ async def daemon_ws(ws: WebSocket) -> None:
     finally:
         orch.hub.detach(link.session_id)
     # Gone without `sleep` or `kill`, the daemon is lost and its work goes back to the
-    # backlog, counted against daemon_retries unless it failed closed (its lease lapsed, or
-    # this control plane closed its channel for its own database outage). A no-op for a
-    # session already ended or killed.
-    failed_closed = link.last_word == "lease" or why.startswith("database unreachable")
-    await through_outage(lambda: orch.session_lost(link.session_id, why,
-                                                   counted=not failed_closed),
-                         "session lost")
+    # backlog (counted against daemon_retries). A no-op for a session already ended or killed.
+    await through_outage(lambda: orch.session_lost(link.session_id, why), "session lost")
     await save_kill_confirmation(orch, link)
 
 

@@ -8,8 +8,6 @@ it sends and receives in $HOME/transcript.jsonl. What it does with a task is in 
               with the same log lines as an obeyed kill (a daemon whose kill handling broke)
   work:SECS   work SECS seconds, then report it done
   crash       die at once with exit code 1, as a crashing daemon would
-  lapse       fail closed at once, as a daemon whose kill-flag lease could not be renewed
-              does: `stopping` with stop `lease`, then exit 3
   crash-later die after 2 seconds with exit code 1
   anything    report it done at once
 
@@ -89,12 +87,6 @@ async def main() -> int:
                 if body in ("hold", "deaf"):
                     deaf = body == "deaf"
                     continue
-                if body == "lapse":
-                    await send("stopping", {"stop": "lease", "exit_code": 3,
-                                            "detail": "kill-flag lease expired; failing closed"})
-                    print("kill switch: lease expired; daemon terminates immediately",
-                          flush=True)
-                    return 3
                 if body.startswith("crash"):
                     await asyncio.sleep(2 if body == "crash-later" else 0)
                     print("scripted crash", flush=True)
