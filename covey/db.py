@@ -71,8 +71,10 @@ async def create_pool(url: str, min_size: int = 2, max_size: int = 20) -> Pool:
 UNREACHABLE: tuple[type[Exception], ...] = (
     DatabaseUnavailable, asyncpg.PostgresConnectionError,
     asyncpg.exceptions.OperatorInterventionError)
-# An agent may run (be woken, have its lease renewed) when no stop holds it: its own kill,
-# its organisation's fleet kill, the global stop. Over `agents a JOIN organizations o`.
+# The one definition of "this agent may run" (agents as a, organisations as o): its own flag,
+# its organisation's, and the control plane's global flag. Every wake path, every claim, every
+# lease renewal and a restarted plane's settling of its orphans use it; a rule restated per
+# query once left a path that ignored a flag.
 MAY_RUN = ("NOT a.killed AND NOT o.fleet_killed"
            " AND NOT EXISTS (SELECT 1 FROM kill_flags g WHERE g.scope='global')")
 

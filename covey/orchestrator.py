@@ -31,6 +31,7 @@ from covey import metrics
 from covey.config import Settings
 from covey.db import (
     MAY_RUN,
+    UNREACHABLE,
     BatchedWrite,
     Connection,
     DatabaseUnavailable,
@@ -56,11 +57,13 @@ MAX_OPEN_HEARTBEAT_TASKS = 10
 # over this long (or two leases, if longer): see `requeue_orphaned_work`.
 ORPHAN_GRACE_MIN_S = 5.0
 
-# The one definition of "this agent may run" (agents as a, organisations as o): its own flag,
-# its organisation's, and the control plane's global flag. Every wake path, every claim and
-# every lease renewal uses it; a rule restated per query once left a path that ignored a flag.
-# How often a kill reads whether the daemons another replica holds have confirmed it.
-REMOTE_CONFIRM_POLL_S = 0.02
+# How often a kill reads whether the daemons another replica holds have confirmed it: from
+# the first pause, doubling up to the second (a dozen reads in a 2 s wait, not a hundred).
+REMOTE_CONFIRM_POLL_S = (0.02, 0.25)
+# What ends that wait without failing the kill (already in effect): the database away, or a
+# connection of the switches' lane broken by it.
+ENDS_THE_REMOTE_WAIT: tuple[type[Exception], ...] = (
+    *UNREACHABLE, asyncpg.InterfaceError, asyncpg.InternalClientError)
 
 FLEET_KILLED_TITLE = (
     "The emergency stop was pulled: every agent of this organisation is paused"
@@ -863,30 +866,35 @@ class Orchestrator:
                                    ) -> dict[UUID, str]:
         """Of these sessions (cancelled by this kill, their daemon not connected here), wait
         at most `timeout_s` for those whose daemon another replica holds (its session, which
-        it renewed within the lease) to confirm the kill there: that replica writes the
-        confirmation on the session. Returns how each that did confirmed it. The database
-        going away ends the wait (the daemons stop by their lease); it fails nothing."""
+        it renewed within the lease; not this node's previous life) to confirm the kill there:
+        that replica writes the confirmation on the session. Returns how each that did
+        confirmed it. The database going away or hanging ends the wait (the daemons stop by
+        their lease): it fails nothing, and it never outlasts `timeout_s`."""
         if not session_ids:
             return {}
         confirmed: dict[UUID, str] = {}
-        deadline = time.monotonic() + timeout_s
+        pause = REMOTE_CONFIRM_POLL_S[0]
         try:
-            held = await self.switch_pool.fetch(
-                "SELECT id FROM sessions WHERE id = ANY($1::uuid[]) AND node <> $2"
-                " AND last_seen_at > now() - make_interval(secs => $3)",
-                session_ids, self.node, self.settings.lease_ms / 1000)
-            waiting = [r["id"] for r in held]
-            while waiting:
-                for r in await self.switch_pool.fetch(
-                        "SELECT id, kill_confirmed_by FROM sessions WHERE id = ANY($1::uuid[])"
-                        " AND kill_confirmed_by IS NOT NULL", waiting):
-                    confirmed[r["id"]] = r["kill_confirmed_by"]
-                waiting = [s for s in waiting if s not in confirmed]
-                if not waiting or time.monotonic() >= deadline:
-                    break
-                await asyncio.sleep(REMOTE_CONFIRM_POLL_S)
-        except (DatabaseUnavailable, asyncpg.PostgresConnectionError,
-                asyncpg.InterfaceError) as exc:
+            async with asyncio.timeout(timeout_s):
+                held = await self.switch_pool.fetch(
+                    "SELECT id FROM sessions WHERE id = ANY($1::uuid[])"
+                    " AND node NOT LIKE $2 || ':%'"
+                    " AND last_seen_at > now() - make_interval(secs => $3)",
+                    session_ids, self.node.rsplit(":", 1)[0], self.settings.lease_ms / 1000)
+                waiting = [r["id"] for r in held]
+                while waiting:
+                    for r in await self.switch_pool.fetch(
+                            "SELECT id, kill_confirmed_by FROM sessions"
+                            " WHERE id = ANY($1::uuid[]) AND kill_confirmed_by IS NOT NULL",
+                            waiting):
+                        confirmed[r["id"]] = r["kill_confirmed_by"]
+                    waiting = [s for s in waiting if s not in confirmed]
+                    if waiting:
+                        await asyncio.sleep(pause)
+                        pause = min(pause * 2, REMOTE_CONFIRM_POLL_S[1])
+        except TimeoutError:
+            pass
+        except ENDS_THE_REMOTE_WAIT as exc:
             log.warning("kill confirmations of other replicas not read", error=str(exc))
         return confirmed
 

@@ -498,7 +498,12 @@ class Runner:
                     await asyncio.to_thread(_kill_marked, row["id"])
                 await through_outage(functools.partial(
                     self._record_gone.write, row["id"], _at(time.time_ns())), "sandbox gone")
-        await asyncio.gather(*(settle(row) for row in orphans))
+        # One that cannot be torn down must not leave the others (or the second pass) undone.
+        for row, failed in zip(orphans, await asyncio.gather(
+                *(settle(row) for row in orphans), return_exceptions=True), strict=True):
+            if isinstance(failed, BaseException):
+                log.error("a previous life's sandbox not settled", sandbox_id=str(row["id"]),
+                          error=repr(failed))
         if orphans:
             log.warning("sandboxes of a previous life settled", count=len(orphans),
                         held_by_a_stop=held_only)

@@ -62,7 +62,7 @@ class Endpoints:
     # the stack started it (processes, containers).
     control_plane: ControlPlane | None = None
     # A second replica of the control plane on the same database, where the stack can start
-    # one (processes): started on the first ask, kept as long as the stack.
+    # one (processes, containers): started on the first ask, kept as long as the stack.
     replica: Callable[[], Awaitable[Replica]] | None = None
 
 
@@ -78,7 +78,9 @@ class Replica:
     plane: ControlPlane
 
     def holds(self, session: dict[str, Any]) -> bool:
-        """Whether this replica holds the session's daemon connection."""
+        """Whether this replica holds the session's daemon connection. Read from the
+        session's `node`, the replica that woke it: its daemon dials that replica's
+        COVEY_PUBLIC_WS_URL, so the two are the same replica."""
         return str(session.get("node", "")).startswith(self.node_prefix)
 
 

@@ -220,6 +220,9 @@ async def _serve(orch: Orchestrator, ws: WebSocket, link: DaemonLink,
             receiving = asyncio.ensure_future(_receive_text(ws))
             await asyncio.wait((receiving, handling), return_when=asyncio.FIRST_COMPLETED)
             if handling.done():
+                if receiving.done() and not receiving.cancelled() and (
+                        receiving.exception() is None):
+                    _heard_ack(orch, link, receiving.result())  # the kill's answer counts it
                 break
             text = receiving.result()
             try:
@@ -242,6 +245,14 @@ async def _serve(orch: Orchestrator, ws: WebSocket, link: DaemonLink,
         # kill's confirmation.
         heard.put_nowait(None)
         await handling
+
+
+def _heard_ack(orch: Orchestrator, link: DaemonLink, text: str) -> None:
+    """A frame read just as the channel ends: if it is the daemon's `kill_ack`, the kill is
+    acknowledged (not merely hung up on), as it would have been a moment earlier."""
+    with contextlib.suppress(ProtocolError):
+        if parse(text)[0] == "kill_ack":
+            orch.hub.acknowledge_kill(link.session_id)
 
 
 async def _handle_in_order(orch: Orchestrator, link: DaemonLink,
