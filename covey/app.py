@@ -162,7 +162,7 @@ class Listener:
         payload = str(payload)
         if channel == "covey_wake":
             with contextlib.suppress(ValueError):
-                self.orch.spawn(self.orch.wake(UUID(payload), "notify"))
+                self.orch.wake_notified(UUID(payload))
         elif channel == "covey_kill":
             with contextlib.suppress(ValueError):
                 ids = [UUID(p) for p in payload.split(",") if p]

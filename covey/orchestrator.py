@@ -255,6 +255,10 @@ class Orchestrator:
         # (covey.api.daemon sets it; the protocol lives there).
         self.hand_over: Callable[[DaemonLink], Awaitable[None]] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        # Agents named by covey_wake NOTIFYs not yet looked at (in arrival order), and the
+        # task that looks at them: see wake_notified.
+        self._notified: dict[UUID, None] = {}
+        self._notified_waking: asyncio.Task[None] | None = None
         # A fleet kill's daemons confirm all at once: their words go to their sessions a
         # batch per statement, not a pool round trip (and a connection reset) each.
         self.record_kill_confirmation = BatchedWrite(
@@ -401,6 +405,51 @@ class Orchestrator:
     async def wake_many(self, agent_ids: list[UUID], path: str) -> list[UUID]:
         results = await asyncio.gather(*(self.wake(a, path) for a in agent_ids))
         return [a for a, r in zip(agent_ids, results, strict=True) if r.outcome == "started"]
+
+    def wake_notified(self, agent_id: UUID) -> None:
+        """A covey_wake NOTIFY: open work for the agent (a new task, a requeue). The NOTIFYs
+        of one burst are looked at together, and only the agents that may run are woken.
+        A fleet kill's requeue sends one per task, all for stopped agents: each used to be
+        a wake of its own, a transaction that locked its agent and the organisation's row
+        and committed with a WAL flush, a thousand of them queued in the pool and the WAL
+        beside the kill's confirmations, only to be refused one by one."""
+        self._notified[agent_id] = None
+        if self._notified_waking is None:
+            self._notified_waking = asyncio.ensure_future(self._wake_notified())
+            self._background.add(self._notified_waking)
+            self._notified_waking.add_done_callback(self._settled)
+
+    async def _wake_notified(self) -> None:
+        try:
+            await asyncio.sleep(0)  # the NOTIFYs of this turn of the loop join the first look
+            while self._notified:
+                agent_ids = list(self._notified)
+                self._notified.clear()
+                for agent_id in await self._may_run(agent_ids):
+                    self.spawn(self.wake(agent_id, "notify"))
+        finally:
+            self._notified_waking = None
+
+    async def _may_run(self, agent_ids: list[UUID]) -> list[UUID]:
+        """Of these agents, those no stop holds as of now, without a lock: a first look, the
+        wake's own locked check still decides. Dropping an agent that a stop held here is
+        safe however soon the stop is lifted: every release (agent resume, fleet resume,
+        the global stop cleared) wakes the agents with open work itself after its commit,
+        and that commit came after this look, so after the work it would find. When the
+        look fails (the database away), every agent gets its wake, as before."""
+        try:
+            rows = await self.pool.fetch(
+                "SELECT a.id FROM agents a JOIN organizations o ON o.id=a.org_id"
+                f" WHERE a.id = ANY($1::uuid[]) AND {MAY_RUN}", agent_ids)
+        except Exception as exc:
+            log.warning("wake look-up failed; waking each", agents=len(agent_ids),
+                        error=str(exc))
+            return agent_ids
+        may_run = {r["id"] for r in rows}
+        held = len(agent_ids) - len(may_run)
+        if held:
+            metrics.wakes.labels("notify", "refused").inc(held)
+        return [a for a in agent_ids if a in may_run]
 
     # ---------------------------------------------------------------- work
 
@@ -936,7 +985,7 @@ class Orchestrator:
         """DESIGN §2.3 line 5: clear the org flag and only the agent flags the fleet set,
         then wake every agent with open work now, not on the next tick."""
 
-        async def release(conn: Connection) -> tuple[bool, list[UUID], list[UUID]]:
+        async def release(conn: Connection) -> tuple[bool, list[UUID]]:
             was = bool(await lock_fleet(conn, org_id))
             await conn.execute(
                 "UPDATE organizations SET fleet_killed=false, fleet_killed_at=NULL,"
@@ -953,17 +1002,20 @@ class Orchestrator:
             if was:
                 await audit(conn, org_id, actor_id, "fleet.resume", str(org_id),
                             {"agents": len(released), "reason": reason})
+            return was, released
+
+        async with self.pool.acquire() as conn:
+            was, released = await self._switch(conn, release, "fleet-resume",
+                                               time.perf_counter())
+            # Looked for after the commit, never inside it: a covey_wake that found the
+            # fleet still stopped was dropped (wake_notified), and only a look that began
+            # after the release committed is sure to see the work it announced.
             with_work = [r["id"] for r in await conn.fetch(
                 "SELECT DISTINCT a.id FROM agents a JOIN organizations o ON o.id=a.org_id"
                 " JOIN backlog_tasks t ON t.agent_id=a.id"
                 f" WHERE a.org_id=$1 AND t.state='open' AND {MAY_RUN}",
                 org_id,
             )]
-            return was, released, with_work
-
-        async with self.pool.acquire() as conn:
-            was, released, with_work = await self._switch(conn, release, "fleet-resume",
-                                                          time.perf_counter())
         report = ResumeReport(changed=was, agents_released=released)
         report.agents_woken = await self.wake_many(with_work, "resume")
         metrics.resumes.labels("fleet", "resumed" if was else "noop").inc()

@@ -386,3 +386,70 @@ async def test_a_kill_step_refused_by_a_half_closed_connection_is_the_database_a
         await _retried(_GoneConnection(), half_closed, "agent", "requeue")  # type: ignore[arg-type]
     with pytest.raises(asyncpg.InternalClientError, match="unexpected message"):
         await _retried(_GoneConnection(), other, "agent", "requeue")  # type: ignore[arg-type]
+
+
+def _notify_wakes_of(world: World, agent_ids: set[uuid.UUID]) -> list[uuid.UUID]:
+    """Spy on the plane's wakes from covey_wake NOTIFYs of these agents (the plane is
+    shared by the session's tests: only ours count)."""
+    orch = world.plane.orch
+    seen: list[uuid.UUID] = []
+    wake = orch.wake
+
+    async def spied(agent_id: uuid.UUID, path: str) -> Any:
+        if path == "notify" and agent_id in agent_ids:
+            seen.append(agent_id)
+        return await wake(agent_id, path)
+    orch.wake = spied  # type: ignore[method-assign]
+    return seen
+
+
+def _notify_wakes_refused() -> float:
+    from prometheus_client import REGISTRY
+    return REGISTRY.get_sample_value(
+        "covey_wakes_total", {"path": "notify", "outcome": "refused"}) or 0.0
+
+
+async def test_a_fleet_kills_requeue_wakes_none_of_its_stopped_agents(world: World) -> None:
+    """The requeue's trigger NOTIFYs covey_wake for every task it puts back. Each was a wake
+    transaction of its own that locked its agent and the organisation's row and committed
+    with a WAL flush, only to be refused: at 1,000 sandboxes a thousand of them queued in
+    the pool and the WAL beside the kill's confirmations. The agents are all stopped by
+    then: the NOTIFYs are looked at together, and none of them becomes a wake."""
+    agents = [uuid.UUID((await world.agent())["id"]) for _ in range(3)]
+    for aid in agents:
+        await world.db.execute(
+            "INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin, state)"
+            " VALUES ($1, $2, $3, 't', 'hold', 'api', 'in_progress')",
+            uuid.uuid4(), world.org.id, aid)
+    woken = _notify_wakes_of(world, set(agents))
+    refused_before = _notify_wakes_refused()
+    try:
+        r = await world.security.post("/api/v1/fleet/kill")
+        assert r.status_code == 200, r.text
+        assert len(r.json()["tasks_requeued"]) == 3, r.text
+
+        async def all_looked_at() -> bool:
+            return _notify_wakes_refused() - refused_before >= 3
+        await eventually(all_looked_at, 10,
+                         "the requeue's three covey_wake NOTIFYs were never looked at")
+    finally:
+        del world.plane.orch.wake  # type: ignore[method-assign]
+    assert woken == [], f"stopped agents were woken from the requeue's NOTIFYs: {woken}"
+
+
+async def test_open_work_written_by_anyone_still_wakes_an_agent_that_may_run(
+        world: World) -> None:
+    """The other side of the look: work written straight into the table (an operator with
+    psql) still wakes its agent through the NOTIFY, at once."""
+    agent = await world.agent()
+    aid = uuid.UUID(agent["id"])
+    woken = _notify_wakes_of(world, {aid})
+    try:
+        task_id = await world.db.fetchval(
+            "INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin)"
+            " VALUES ($1, $2, $3, 't', 'hold', 'api') RETURNING id",
+            uuid.uuid4(), world.org.id, aid)
+        await world.wait_task(str(task_id), "in_progress")
+    finally:
+        del world.plane.orch.wake  # type: ignore[method-assign]
+    assert woken == [aid], f"the agent was woken {woken} from its NOTIFY, not once"
