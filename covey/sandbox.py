@@ -445,6 +445,10 @@ class Runner:
         self.warm_sync_s = warm_sync_s
         self.warm_idle_s = warm_idle_s
         self._handles: dict[UUID, str] = {}
+        # Sandboxes whose start is in flight: their daemon may connect, work and end its
+        # session before the backend's start call returns (a container start on a loaded
+        # host), and a warm one must still be parked then, not told to sleep.
+        self._starting: set[UUID] = set()
         self._session_of: dict[UUID, UUID] = {}  # a warm sandbox takes up session after session
         self._evicting: set[UUID] = set()
         self._exited: dict[UUID, asyncio.Event] = {}
@@ -520,7 +524,8 @@ class Runner:
 
     def holds(self, sandbox_id: UUID) -> bool:
         """The sandbox is up, started by this runner (a warm one can be parked and reused)."""
-        return sandbox_id in self._handles and sandbox_id not in self._evicting
+        return ((sandbox_id in self._handles or sandbox_id in self._starting)
+                and sandbox_id not in self._evicting)
 
     def take_up(self, sandbox_id: UUID, session_id: UUID) -> None:
         """A parked warm sandbox now runs `session_id`: its exit settles that session."""
@@ -533,10 +538,16 @@ class Runner:
         spec = SandboxSpec(sandbox_id, agent_id, session_id, work, spec_env)
         self._exited[sandbox_id] = asyncio.Event()
         self._session_of[sandbox_id] = session_id
-        handle = await self._provider.start(spec)
-        self._handles[sandbox_id] = handle
+        self._starting.add(sandbox_id)
+        try:
+            handle = await self._provider.start(spec)
+            self._handles[sandbox_id] = handle
+        finally:
+            self._starting.discard(sandbox_id)
+        # The handle whatever the state: a session may have ended (and parked it) already.
         await self._pool.execute(
-            "UPDATE sandboxes SET handle=$2, state='running' WHERE id=$1 AND state='starting'",
+            "UPDATE sandboxes SET handle=$2,"
+            " state=CASE WHEN state='starting' THEN 'running' ELSE state END WHERE id=$1",
             sandbox_id, handle,
         )
         self._spawn(self._watch(sandbox_id, agent_id, handle))

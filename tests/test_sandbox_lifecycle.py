@@ -230,3 +230,30 @@ async def test_a_restarted_plane_tears_down_a_stopped_agents_orphans_at_once(
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
             await process.wait()
+
+
+async def test_a_warm_session_that_ends_before_its_start_returns_is_parked(
+        lworld: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container start can return long after its daemon is up: on a loaded CI host a warm
+    agent's daemon did its task and ended its session first, the runner did not know the
+    sandbox yet, and the daemon was told to sleep instead of being parked."""
+    world = lworld
+    runner = world.plane.app.state.orchestrator.runner
+    start = runner._provider.start
+    returned = asyncio.Event()
+
+    async def slow_to_return(spec: Any) -> str:
+        handle: str = await start(spec)
+        await asyncio.sleep(3)  # the daemon connects, works and ends its session meanwhile
+        returned.set()
+        return handle
+    monkeypatch.setattr(runner._provider, "start", slow_to_return)
+    agent = await world.agent(warm_sandbox=True)
+    task = await world.task(agent["id"], "model:well_behaved")
+    await world.wait_task(task["id"], "done")
+    assert not returned.is_set(), "the start returned before the session ended: no race"
+    parked = await _wait_state(world, agent["id"], "parked")
+    await eventually(lambda: asyncio.sleep(0, returned.is_set()), 10, "the start never returned")
+    box = next(s for s in await _sandboxes(world, agent["id"]) if s["id"] == parked["id"])
+    assert box["state"] == "parked" and box["handle"], (
+        f"the warm sandbox parked during its start lost its state or handle: {box}")
