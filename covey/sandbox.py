@@ -551,6 +551,8 @@ class Runner:
             sandbox_id, handle,
         )
         self._spawn(self._watch(sandbox_id, agent_id, handle))
+        if sandbox_id in self._evicting:  # parked and evicted by a kill while it started
+            self._spawn(self._provider.destroy(handle))
 
     async def _watch(self, sandbox_id: UUID, agent_id: UUID, handle: str) -> None:
         try:
@@ -718,6 +720,9 @@ class Runner:
             if row["node"] != self.node or sandbox_id in self._evicting:
                 continue
             handle = self._handles.get(sandbox_id)
+            if handle is None and sandbox_id in self._starting:
+                self._evicting.add(sandbox_id)  # torn down as soon as its start returns
+                continue
             if handle is None:  # nothing runs: only its copy of the home is left
                 await self._discard(sandbox_id, row["agent_id"])
                 await self._pool.execute("UPDATE sandboxes SET gone_at=now() WHERE id=$1"

@@ -257,3 +257,32 @@ async def test_a_warm_session_that_ends_before_its_start_returns_is_parked(
     box = next(s for s in await _sandboxes(world, agent["id"]) if s["id"] == parked["id"])
     assert box["state"] == "parked" and box["handle"], (
         f"the warm sandbox parked during its start lost its state or handle: {box}")
+
+
+async def test_a_warm_sandbox_evicted_while_it_starts_is_torn_down_once_started(
+        lworld: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kill's evictWarm of a sandbox parked before its start call returned: there was no
+    handle to destroy yet; it is destroyed as soon as there is, and nothing of it is left."""
+    world = lworld
+    runner = world.plane.app.state.orchestrator.runner
+    start = runner._provider.start
+    returned = asyncio.Event()
+
+    async def slow_to_return(spec: Any) -> str:
+        handle: str = await start(spec)
+        await asyncio.sleep(4)
+        returned.set()
+        return handle
+    monkeypatch.setattr(runner._provider, "start", slow_to_return)
+    agent = await world.agent(warm_sandbox=True)
+    task = await world.task(agent["id"], "model:well_behaved")
+    await world.wait_task(task["id"], "done")
+    parked = await _wait_state(world, agent["id"], "parked")
+    assert not returned.is_set(), "the start returned before the kill: no race"
+    r = await world.security.post(f"/api/v1/agents/{agent['id']}/kill")
+    assert r.status_code == 200 and r.json()["evicted_sandboxes"] == [parked["id"]], r.text
+
+    async def nothing_left() -> bool:
+        box = next(s for s in await _sandboxes(world, agent["id"]) if s["id"] == parked["id"])
+        return returned.is_set() and not _left_of(parked["id"]) and box["gone_at"] is not None
+    await eventually(nothing_left, 20, "the warm sandbox evicted while it started was left up")
