@@ -232,22 +232,30 @@ async def test_a_restarted_plane_tears_down_a_stopped_agents_orphans_at_once(
             await process.wait()
 
 
-async def test_a_warm_session_that_ends_before_its_start_returns_is_parked(
-        lworld: World, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A container start can return long after its daemon is up: on a loaded CI host a warm
-    agent's daemon did its task and ended its session first, the runner did not know the
-    sandbox yet, and the daemon was told to sleep instead of being parked."""
-    world = lworld
+def _slow_starts(world: World, monkeypatch: pytest.MonkeyPatch, delay_s: float
+                 ) -> asyncio.Event:
+    """Every sandbox start returns `delay_s` after its sandbox is up (a container start on a
+    loaded host); the event is set when one has returned."""
     runner = world.plane.app.state.orchestrator.runner
     start = runner._provider.start
     returned = asyncio.Event()
 
     async def slow_to_return(spec: Any) -> str:
         handle: str = await start(spec)
-        await asyncio.sleep(3)  # the daemon connects, works and ends its session meanwhile
+        await asyncio.sleep(delay_s)
         returned.set()
         return handle
     monkeypatch.setattr(runner._provider, "start", slow_to_return)
+    return returned
+
+
+async def test_a_warm_session_that_ends_before_its_start_returns_is_parked(
+        lworld: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container start can return long after its daemon is up: on a loaded CI host a warm
+    agent's daemon did its task and ended its session first, the runner did not know the
+    sandbox yet, and the daemon was told to sleep instead of being parked."""
+    world = lworld
+    returned = _slow_starts(world, monkeypatch, 3)  # the daemon works and ends meanwhile
     agent = await world.agent(warm_sandbox=True)
     task = await world.task(agent["id"], "model:well_behaved")
     await world.wait_task(task["id"], "done")
@@ -264,16 +272,7 @@ async def test_a_warm_sandbox_evicted_while_it_starts_is_torn_down_once_started(
     """The kill's evictWarm of a sandbox parked before its start call returned: there was no
     handle to destroy yet; it is destroyed as soon as there is, and nothing of it is left."""
     world = lworld
-    runner = world.plane.app.state.orchestrator.runner
-    start = runner._provider.start
-    returned = asyncio.Event()
-
-    async def slow_to_return(spec: Any) -> str:
-        handle: str = await start(spec)
-        await asyncio.sleep(4)
-        returned.set()
-        return handle
-    monkeypatch.setattr(runner._provider, "start", slow_to_return)
+    returned = _slow_starts(world, monkeypatch, 4)
     agent = await world.agent(warm_sandbox=True)
     task = await world.task(agent["id"], "model:well_behaved")
     await world.wait_task(task["id"], "done")
