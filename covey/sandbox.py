@@ -120,30 +120,38 @@ def _kill_marked(sandbox_id: UUID) -> None:
 
 class ProcessTable:
     """One pass over the process table serves every sandbox waiting to be gone at that
-    moment: a fleet kill reaps hundreds of sandboxes at once."""
+    moment: a fleet kill reaps hundreds of sandboxes at once. One pass at a time: those who
+    ask while a pass runs share the next one (a pass reads the environment of every process
+    on the host, a thousand at a fleet kill of a thousand, and passes started side by side
+    for each burst of exits competed with the kill's confirmations for the plane's CPU)."""
 
     def __init__(self) -> None:
         self._wanted: set[bytes] = set()
         self._next: asyncio.Future[dict[bytes, list[int]]] | None = None
-        self._scans: set[asyncio.Task[None]] = set()
+        self._scanner: asyncio.Task[None] | None = None
 
     async def holders(self, marker: bytes) -> list[int]:
         self._wanted.add(marker)
         if self._next is None:
             self._next = asyncio.get_running_loop().create_future()
-            scan = asyncio.ensure_future(self._scan(self._next))
-            self._scans.add(scan)
-            scan.add_done_callback(self._scans.discard)
+        if self._scanner is None:
+            self._scanner = asyncio.ensure_future(self._scan_while_wanted())
         found = await asyncio.shield(self._next)
         return found.get(marker, [])
 
-    async def _scan(self, result: asyncio.Future[dict[bytes, list[int]]]) -> None:
-        await asyncio.sleep(0)  # the callers of this turn of the loop share the pass
-        wanted, self._wanted, self._next = frozenset(self._wanted), set(), None
+    async def _scan_while_wanted(self) -> None:
         try:
-            result.set_result(await asyncio.to_thread(processes_marked, wanted))
-        except Exception as exc:
-            result.set_exception(exc)
+            await asyncio.sleep(0)  # the callers of this turn of the loop share the pass
+            while self._next is not None:
+                # A pass begins after its callers asked: they killed what they look for first.
+                wanted, result = frozenset(self._wanted), self._next
+                self._wanted, self._next = set(), None
+                try:
+                    result.set_result(await asyncio.to_thread(processes_marked, wanted))
+                except Exception as exc:
+                    result.set_exception(exc)
+        finally:
+            self._scanner = None
 
 
 class ProcessProvider:
