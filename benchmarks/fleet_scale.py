@@ -64,6 +64,7 @@ from covey.testing.plane import OrgTokens, create_org
 DAEMON = [sys.executable, str(Path(__file__).with_name("holding_daemon.py"))]
 # Private memory of one daemon on this machine (an interpreter with websockets): about 13 MiB.
 DAEMON_MIB = 15
+BEFORE_S = 1.0  # the window before each kill in which the plane's and the host's CPU is read
 
 
 @dataclass
@@ -86,6 +87,10 @@ class FleetKill:
     plane_rss_idle_mib: float
     plane_rss_connected_mib: float
     plane_rss_peak_mib: float
+    # The second before the request, the fleet connected and holding its tasks: the plane's
+    # CPU (its lease renewals to every daemon) and the whole host's busy cores (out of all).
+    plane_cpu_before_ms_per_s: float
+    host_busy_before_cores: float
     server_stages_ms: dict[str, float]
     exit_codes: dict[str, int]
 
@@ -215,6 +220,11 @@ async def kill_fleet(plane: ServedPlane, db: asyncpg.Pool, fleet: Fleet, number:
         before = await kill_stage_totals(anonymous)
         rss_connected = plane.rss_kib()
         loadavg = load_average()
+        quiet_from, host_from, window_from = plane.cpu_s(), host_cpu_busy_s(), time.monotonic()
+        await asyncio.sleep(BEFORE_S)  # a window measured, not a wait for anything
+        window_s = time.monotonic() - window_from
+        plane_before = (plane.cpu_s() - quiet_from) / window_s
+        host_busy_before = (host_cpu_busy_s() - host_from) / window_s
         async with RawHttp.open(plane.url, f"Bearer {fleet.org.tokens['security']}") as security:
             async with rss_peak(plane) as peak:
                 cpu_before, host_before = plane.cpu_s(), host_cpu_busy_s()
@@ -251,6 +261,8 @@ async def kill_fleet(plane: ServedPlane, db: asyncpg.Pool, fleet: Fleet, number:
         host_cpu_during_answer_ms=(host_after - host_before) * 1000,
         plane_rss_idle_mib=rss_idle_kib / 1024, plane_rss_connected_mib=rss_connected / 1024,
         plane_rss_peak_mib=peak[0] / 1024,
+        plane_cpu_before_ms_per_s=plane_before * 1000,
+        host_busy_before_cores=host_busy_before,
         server_stages_ms=stage_means_ms(before, after, "fleet"),
         exit_codes=await exit_codes(db, sandbox_ids))
 
@@ -341,6 +353,8 @@ def render_kill(k: FleetKill) -> str:
             f"{k.host_cpu_during_answer_ms:>8.0f}"
             f"{k.plane_rss_idle_mib:>7.0f}{k.plane_rss_connected_mib:>7.0f}"
             f"{k.plane_rss_peak_mib:>7.0f}  acked {k.sessions_acknowledged};"
+            f" before: plane {k.plane_cpu_before_ms_per_s:.0f} ms/s,"
+            f" host {k.host_busy_before_cores:.2f} cores busy;"
             + (f" ANSWERED WITH {k.sessions_confirmed} OF {k.sessions_cancelled} CONFIRMED;"
                if k.sessions_confirmed < k.sessions_cancelled else "") +
             f" load {k.loadavg}; stages {stages};"
