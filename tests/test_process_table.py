@@ -19,6 +19,7 @@ class RecordingTable:
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         self.passes: list[frozenset[bytes]] = []
+        self.began: list[float] = []
         self.running = 0
         self.most_at_once = 0
         self.started = threading.Event()
@@ -29,6 +30,7 @@ class RecordingTable:
             self.running += 1
             self.most_at_once = max(self.most_at_once, self.running)
             self.passes.append(markers)
+            self.began.append(time.monotonic())
         self.started.set()
         time.sleep(self.seconds)
         with self._lock:
@@ -71,3 +73,28 @@ async def test_a_failed_pass_fails_its_callers_and_the_next_pass_runs(
     with pytest.raises(OSError, match="no /proc"):
         await asyncio.wait_for(table.holders(b"a"), 5)
     assert await asyncio.wait_for(table.holders(b"b"), 5) == [7]
+
+
+async def test_callers_are_not_left_waiting_when_the_pass_is_cancelled(
+        recording: RecordingTable) -> None:
+    table = ProcessTable()
+    first = asyncio.ensure_future(table.holders(b"a"))
+    await asyncio.to_thread(recording.started.wait, 5)
+    second = asyncio.ensure_future(table.holders(b"b"))
+    await asyncio.sleep(0)
+    assert table._scanner is not None
+    table._scanner.cancel()
+    for waiting in (first, second):
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(waiting, 5)
+
+
+async def test_a_pass_is_followed_by_a_rest_before_the_next(recording: RecordingTable) -> None:
+    # Each pass takes 0.2 s here, so the next may begin 4 times 0.2 s after it ended, not sooner.
+    table = ProcessTable(rest=4)
+    await asyncio.wait_for(table.holders(b"a"), 5)
+    await asyncio.wait_for(table.holders(b"b"), 5)
+    gap = recording.began[1] - recording.began[0]
+    assert gap >= 0.2 + 4 * 0.2 - 0.05, (
+        f"the second pass began {gap:.2f} s after the first: the table did not rest four "
+        "times a pass's length between them")
