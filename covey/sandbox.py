@@ -82,7 +82,8 @@ PROCESS_BASE_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHO
 SANDBOX_MARKER = "COVEY_SANDBOX_ID"
 REMOVE_DEADLINE_S = 10.0
 SETTLE_AT_ONCE = 8  # a previous life's sandboxes torn down side by side
-PASS_REST = 4.0  # after a pass over the process table, rest this many times as long
+PASS_REST = 4.0  # after a pass over the process table, rest this many times as long,
+PASS_REST_MAX_S = 0.25  # but never longer: a removal retries within REMOVE_DEADLINE_S
 
 
 def _marker(sandbox_id: UUID | str) -> bytes:
@@ -130,10 +131,12 @@ class ProcessTable:
     of each environment: at a fleet kill of 1,000 a pass took 15 to 25 ms and a hundred of them
     (1.6 to 1.8 s of the plane's CPU) ran during the exit wave. After each pass the table rests
     `rest` times as long before the next, so that its passes take at most a fifth of a core
-    (at 1,000 processes a sandbox is found gone up to about 0.1 s later)."""
+    (at 1,000 processes a sandbox is found gone up to about 0.1 s later). The rest is capped:
+    on a host so loaded that a pass takes seconds, a removal that must look again still
+    gets its passes well within its deadline."""
 
-    def __init__(self, rest: float = PASS_REST) -> None:
-        self._rest = rest
+    def __init__(self, rest: float = PASS_REST, rest_max_s: float = PASS_REST_MAX_S) -> None:
+        self._rest, self._rest_max_s = rest, rest_max_s
         self._wanted: set[bytes] = set()
         self._next: asyncio.Future[dict[bytes, list[int]]] | None = None
         self._scanner: asyncio.Task[None] | None = None
@@ -161,11 +164,13 @@ class ProcessTable:
                 except Exception as exc:
                     result.set_exception(exc)
                 # Whoever asks during the rest shares the pass after it.
-                await asyncio.sleep(self._rest * (time.monotonic() - began))
-        except asyncio.CancelledError:  # the plane stops: nobody is left waiting for ever
-            for pending in (result, self._next):
+                await asyncio.sleep(min(self._rest * (time.monotonic() - began),
+                                        self._rest_max_s))
+        except BaseException:  # cancelled (the plane stops): nobody is left waiting for ever,
+            for pending in (result, self._next):  # and the next caller starts afresh
                 if pending is not None and not pending.done():
                     pending.cancel()
+            self._wanted, self._next = set(), None
             raise
         finally:
             self._scanner = None

@@ -31,11 +31,12 @@ class RecordingTable:
             self.most_at_once = max(self.most_at_once, self.running)
             self.passes.append(markers)
             self.began.append(time.monotonic())
+            number = len(self.passes)
         self.started.set()
         time.sleep(self.seconds)
         with self._lock:
             self.running -= 1
-        return {m: [len(self.passes)] for m in markers}
+        return {m: [number] for m in markers}
 
 
 @pytest.fixture
@@ -87,14 +88,26 @@ async def test_callers_are_not_left_waiting_when_the_pass_is_cancelled(
     for waiting in (first, second):
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(waiting, 5)
+    # The table still serves: the next caller gets a pass of its own.
+    assert await asyncio.wait_for(table.holders(b"c"), 5) == [len(recording.passes)]
 
 
 async def test_a_pass_is_followed_by_a_rest_before_the_next(recording: RecordingTable) -> None:
     # Each pass takes 0.2 s here, so the next may begin 4 times 0.2 s after it ended, not sooner.
-    table = ProcessTable(rest=4)
+    table = ProcessTable(rest=4, rest_max_s=5)
     await asyncio.wait_for(table.holders(b"a"), 5)
     await asyncio.wait_for(table.holders(b"b"), 5)
     gap = recording.began[1] - recording.began[0]
     assert gap >= 0.2 + 4 * 0.2 - 0.05, (
         f"the second pass began {gap:.2f} s after the first: the table did not rest four "
         "times a pass's length between them")
+
+
+async def test_the_rest_is_capped(recording: RecordingTable) -> None:
+    # A pass that takes long (a loaded host) must not hold a removal's next look for four
+    # times as long: the removal has a deadline.
+    table = ProcessTable(rest=4, rest_max_s=0.1)
+    await asyncio.wait_for(table.holders(b"a"), 5)
+    await asyncio.wait_for(table.holders(b"b"), 5)
+    gap = recording.began[1] - recording.began[0]
+    assert gap < 0.2 + 4 * 0.2 - 0.2, f"the table rested {gap - 0.2:.2f} s, past its cap of 0.1 s"
