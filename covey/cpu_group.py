@@ -35,22 +35,48 @@ class CpuGroup:
     path: Path
 
     def join(self, pid: int) -> None:
-        """Move a just-started sandbox into the group; its children follow it there. Never
-        fails the sandbox's start: a pid already gone (a daemon that failed at once) or a
-        move the kernel refuses leaves it in the plane's share, which the log says."""
-        try:
-            (self.path / "cgroup.procs").write_text(f"{pid}\n")
-        except ProcessLookupError:
-            pass
-        except OSError as exc:
-            log.warning("sandbox_cpu_group_join_refused", pid=pid, path=str(self.path),
-                        reason=str(exc))
+        """Move a just-started sandbox into the group, with whatever it has started already;
+        what its processes start from then on is born there. Never fails the sandbox's
+        start: a pid already gone (a daemon that failed at once) or a move the kernel
+        refuses leaves it in the plane's share, which the log says.
+
+        Each process is moved before its children are read: a child forked before its
+        parent moved is listed then, one forked after is born in the group. (The sandbox's
+        first move once came after its daemon had already started a child, on a loaded CI
+        host, and that child ran in the plane's share.) A process whose parent had already
+        exited is not found, which costs only scheduling: teardown is by group and marker."""
+        pending = [pid]
+        while pending:
+            current = pending.pop()
+            try:
+                (self.path / "cgroup.procs").write_text(f"{current}\n")
+            except ProcessLookupError:
+                continue
+            except OSError as exc:
+                log.warning("sandbox_cpu_group_join_refused", pid=current, path=str(self.path),
+                            reason=str(exc))
+                return
+            pending.extend(children(current))
 
     def remove(self) -> None:
         """Remove the group once the plane stops; only an empty group can go, and one that
         still holds a sandbox is left for the next plane's `sweep` to remove."""
         with contextlib.suppress(OSError):
             self.path.rmdir()
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid`'s threads have started and that still run (Linux's
+    /proc/<pid>/task/<tid>/children); none when it is gone or the kernel does not say."""
+    found: list[int] = []
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in threads:
+        with contextlib.suppress(OSError, ValueError):
+            found += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+    return found
 
 
 def own_cgroup(controller: str, proc_cgroup: str) -> tuple[str, bool] | None:

@@ -4,8 +4,10 @@ sandboxes landing in the group when the host lets the plane make one."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -99,6 +101,43 @@ async def test_a_sandbox_and_its_children_share_the_plane_s_cpu_group(tmp_path: 
     await eventually(emptied, 10, "killed sandboxes stayed in the CPU group")
     await provider.close()
     assert not group.path.exists(), "the plane's sandbox CPU group outlived its plane"
+
+
+async def test_children_started_before_the_move_join_the_group_too() -> None:
+    # The plane moves a sandbox just after starting it; on a loaded host its daemon had
+    # already started a child by then, and that child stayed in the plane's share.
+    group = make_cpu_group("auto")
+    if group is None:
+        pytest.skip("this host lets no process make a CPU cgroup (not root, or read-only)")
+    script = ("import subprocess, time; subprocess.Popen(['/bin/sh', '-c', "
+              "'/bin/sleep 30 & wait']); time.sleep(30)")
+    parent = await asyncio.create_subprocess_exec(sys.executable, "-c", script)
+    tree: list[int] = [parent.pid]
+    try:
+        async def grandchild() -> int | None:
+            for child in children_of(parent.pid):
+                with contextlib.suppress(OSError):
+                    return next(iter(children_of(child)), None)
+            return None
+
+        sleeper = await eventually(grandchild, 10, "the test's process tree never started")
+        child = children_of(parent.pid)[0]
+        tree += [child, sleeper]
+        group.join(parent.pid)
+        for pid, what in zip(tree, ("the sandbox", "its child", "its grandchild"), strict=True):
+            assert cpu_cgroup_of(pid).endswith(group.path.name), \
+                f"{what}, started before the move, stayed out of the sandboxes' CPU group"
+    finally:
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        await parent.wait()
+
+    async def emptied() -> bool | None:
+        return not members(group.path) or None
+
+    await eventually(emptied, 10, "the test's processes stayed in the CPU group")
+    group.remove()
 
 
 def test_a_setting_other_than_auto_or_off_is_refused_with_the_choices() -> None:
