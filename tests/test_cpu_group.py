@@ -18,7 +18,7 @@ import pytest
 
 from covey.config import ConfigError, Settings
 from covey.coveyd import STEP_ASIDE_NICE, in_a_crowd
-from covey.cpu_group import PREFIX, CpuGroup, make_cpu_group, own_cgroup, sweep
+from covey.cpu_group import PREFIX, CpuGroup, children, make_cpu_group, own_cgroup, sweep
 from covey.hub import DaemonHub, DaemonLink
 from covey.sandbox import ProcessProvider, SandboxSpec
 from harness.waiting import eventually
@@ -56,10 +56,6 @@ def test_groups_of_dead_planes_are_swept_and_live_ones_kept(tmp_path: Path) -> N
     assert live.exists(), "a running plane's group was removed"
 
 
-def children_of(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
 def members(group: Path) -> list[str]:
     return (group / "cgroup.procs").read_text().split()
 
@@ -86,7 +82,7 @@ async def test_a_sandbox_and_its_children_share_the_plane_s_cpu_group(tmp_path: 
             "the sandbox's daemon is not in the sandboxes' CPU group"
 
         async def child() -> int | None:
-            return next(iter(children_of(pid)), None)
+            return next(iter(children(pid)), None)
 
         first = await eventually(child, 10, "the sandbox's daemon never started its child")
         assert cpu_cgroup_of(first).endswith(group.path.name), \
@@ -115,13 +111,11 @@ async def test_children_started_before_the_move_join_the_group_too() -> None:
     tree: list[int] = [parent.pid]
     try:
         async def grandchild() -> int | None:
-            for child in children_of(parent.pid):
-                with contextlib.suppress(OSError):
-                    return next(iter(children_of(child)), None)
-            return None
+            child = next(iter(children(parent.pid)), None)
+            return None if child is None else next(iter(children(child)), None)
 
         sleeper = await eventually(grandchild, 10, "the test's process tree never started")
-        child = children_of(parent.pid)[0]
+        child = children(parent.pid)[0]
         tree += [child, sleeper]
         group.join(parent.pid)
         for pid, what in zip(tree, ("the sandbox", "its child", "its grandchild"), strict=True):
