@@ -161,9 +161,8 @@ import os
 from harness.gameday import GameDay
 
 async def test_waits_under_a_fault(gameday: GameDay) -> None:
-    async with gameday.journaled():
-        await gameday.endpoints.nemesis.pause_process(int(os.environ["SLEEPER"]), 600)
-        await gameday.until.condition(lambda: _never(), 600, "the halt never came")
+    await gameday.endpoints.nemesis.pause_process(int(os.environ["SLEEPER"]), 600)
+    await gameday.until.condition(lambda: _never(), 600, "the halt never came")
 
 async def _never() -> bool:
     return False

@@ -213,19 +213,18 @@ from harness.waiting import eventually
 
 async def test_fails_after_the_fleet_kill(gameday):
     day = gameday
-    async with day.journaled():
-        agents = [await day.agent("silent") for _ in range(2)]
-        for a in agents:
-            await day.task(a["id"])
+    agents = [await day.agent("silent") for _ in range(2)]
+    for a in agents:
+        await day.task(a["id"])
 
-        async def working():
-            tasks = await day.read_tasks()
-            return all(t["state"] == "in_progress" for t in tasks.values())
-        await eventually(working, 60, "the agents never got to work")
-        json_of(await day.operate("security", "kill_fleet", {},
-                                  day.people["security"].kill_fleet))
-        print("fleet killed", flush=True)
-        {failure}
+    async def working():
+        tasks = await day.read_tasks()
+        return all(t["state"] == "in_progress" for t in tasks.values())
+    await eventually(working, 60, "the agents never got to work")
+    json_of(await day.operate("security", "kill_fleet", {},
+                              day.people["security"].kill_fleet))
+    print("fleet killed", flush=True)
+    {failure}
 """
 FAILURES: dict[str, str] = {
     "failed-assertion": 'assert False, "failed on purpose after the fleet kill"',
