@@ -26,6 +26,8 @@ BEHAVIOURS = ("slow_writer", "silent", "well_behaved")
 # between the read before the kill and the kill itself, which the history cannot order.
 @pytest.mark.decides("no_action_after_kill_ack", "each_task_done_once_after_resume",
                      "no_wake_of_stopped_agent", "every_fault_healed", "kill_obeyed")
+# From security's request, not from any acknowledgement: what the agents did after the click.
+@pytest.mark.bounds(actions_after_request=3, request_to_last_action_ms=1000)
 async def test_fleet_stop(gameday: GameDay, agents_per_game_day: int) -> None:
     day, security, expect = gameday, gameday.as_("security"), gameday.expect
     outcome = day.outcome
