@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from harness.gameday import GameDay, assert_valid
-from harness.waiting import eventually
+from harness.record.gameday import GameDay, assert_valid
+from harness.stack.waiting import eventually
 
 CUT_S = 8.0  # the fault's deadline: it heals itself after this
 

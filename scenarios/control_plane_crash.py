@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from harness.client import json_of
-from harness.gameday import GameDay
+from harness.act.client import json_of
+from harness.record.gameday import GameDay
 
 MARGIN_S = 3.0  # the lease's own slack plus a loaded machine's
 SETTLED_S = 10.0  # from the restart's answer: a few containers' removal on a loaded machine

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.client import json_of
-from harness.gameday import GameDay
+from harness.act.client import json_of
+from harness.record.gameday import GameDay
 
 MAX_RETRIES = 5  # COVEY_MAX_DAEMON_RETRIES, the stacks' default
 

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from harness.gameday import GameDay
 from harness.nemesis import FaultRecord
+from harness.record.gameday import GameDay
 
 OUTAGE_S = 10.0  # several leases: whoever still runs at its end did not fail closed
 MARGIN_S = 3.0  # the lease's own slack plus a loaded machine's

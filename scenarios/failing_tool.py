@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.client import json_of
-from harness.gameday import GameDay
+from harness.act.client import json_of
+from harness.record.gameday import GameDay
 
 FAILURES, COOLDOWN_S, PROBES = 3, 1.0, 2
 # N failures; then twice: wait out the cooldown, probe (it fails: open again); then call at

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.client import json_of
-from harness.gameday import GameDay
+from harness.act.client import json_of
+from harness.record.gameday import GameDay
 
 TICK_MS = 60_000
 AT_ONCE_S = 15.0  # to finish the work: generous on a loaded machine, far below the tick

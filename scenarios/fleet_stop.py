@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from harness.client import json_of
-from harness.gameday import GameDay, assert_valid
-from harness.waiting import eventually
+from harness.act.client import json_of
+from harness.record.gameday import GameDay, assert_valid
+from harness.stack.waiting import eventually
 
 # A multi-step writer, an agent that never stops on its own, and a well-behaved one whose
 # tasks finish (so work is seen moving).

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from harness.browser import chromium, click, pull_fleet_switch, require_chromium, sign_in
-from harness.client import json_of
-from harness.gameday import GameDay
-from harness.waiting import eventually
+from harness.act.browser import chromium, click, pull_fleet_switch, require_chromium, sign_in
+from harness.act.client import json_of
+from harness.record.gameday import GameDay
+from harness.stack.waiting import eventually
 
 BEHAVIOURS = ("slow_writer", "silent", "well_behaved")
 

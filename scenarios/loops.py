@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.client import json_of
-from harness.gameday import GameDay
+from harness.act.client import json_of
+from harness.record.gameday import GameDay
 
 REPEATS, CYCLES = 4, 3
 GUARD = {"loop_repeats": REPEATS, "loop_window": 10, "cycle_repeats": CYCLES}

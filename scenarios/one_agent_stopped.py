@@ -15,8 +15,8 @@ import asyncio
 
 import pytest
 
-from harness.client import json_of
-from harness.gameday import GameDay
+from harness.act.client import json_of
+from harness.record.gameday import GameDay
 
 
 # Not each_task_done_once_after_resume: the agents killed on their own keep their work open.

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.gameday import GameDay
 from harness.generator.play import play
 from harness.generator.random_day import RandomDay, parametrize_schedules
+from harness.record.gameday import GameDay
 
 SCENARIO = "scenarios/random_gameday.py"
 CHECKED = ("no_action_after_kill_ack", "in_progress_requeued", "no_wake_of_stopped_agent",

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from harness.client import json_of
-from harness.gameday import GameDay
+from harness.act.client import json_of
+from harness.record.gameday import GameDay
 
 CUT_S = 60.0  # the partition heals itself after this, if the game day has not healed it
 STOP_MARGIN_S = 4.0  # the lease's own slack (renewed every third of it), a loaded machine's

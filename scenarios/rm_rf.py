@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.client import json_of
-from harness.gameday import GameDay
-from harness.waiting import eventually
+from harness.act.client import json_of
+from harness.record.gameday import GameDay
+from harness.stack.waiting import eventually
 
 # Out of reach of the loop detector: the switch, not the guard, is under test.
 NO_LOOP_TRIP = {"loop_window": 1000, "loop_repeats": 1000}

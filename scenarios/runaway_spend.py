@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.client import json_of
-from harness.gameday import GameDay
+from harness.act.client import json_of
+from harness.record.gameday import GameDay
 
 CAP_USD = 0.5  # spend_fast costs $0.15 a call: the 4th call crosses it
 

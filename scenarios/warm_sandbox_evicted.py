@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.client import json_of
-from harness.gameday import GameDay
+from harness.act.client import json_of
+from harness.record.gameday import GameDay
 
 
 @pytest.mark.decides("nothing_left_of_killed_agent", "no_action_after_kill_ack",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from harness.checkers import (
+from harness.judge.checkers import (
     FinalState,
     Verdict,
     check_all,

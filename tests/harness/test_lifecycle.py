@@ -1,4 +1,4 @@
-"""The harness owns the game day (harness/lifecycle.py): a scenario only acts, and cannot
+"""The harness owns the game day (harness/run/lifecycle.py): a scenario only acts, and cannot
 pass without its judgement. Game days run by a real pytest in a subprocess, on a paper game
 day whose history the scenario writes by hand: no stack, but the real plugin, lifecycle,
 checkers, journal and report."""
@@ -15,9 +15,9 @@ CONFTEST = """
 import types
 
 import pytest
-from harness.checkers import FinalState
-from harness.gameday import GameDay
-from harness.plugin import chosen_bounds, chosen_checkers, required_checkers
+from harness.judge.checkers import FinalState
+from harness.record.gameday import GameDay
+from harness.run.plugin import chosen_bounds, chosen_checkers, required_checkers
 
 S = 1_000_000_000
 
@@ -61,8 +61,8 @@ def gameday(request, tmp_path):
 # and open after.
 HELPERS = """
 import pytest
-from harness.checkers import FinalState
-from harness.expect import rule
+from harness.judge.checkers import FinalState
+from harness.act.expect import rule
 
 S = 1_000_000_000
 

@@ -18,10 +18,10 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from harness.cli import app
 from harness.nemesis import Nemesis, halt
 from harness.nemesis.watchdog import STATE_ENV, FaultRegistry
-from harness.waiting import eventually
+from harness.run.cli import app
+from harness.stack.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 3.0
@@ -35,7 +35,7 @@ import asyncio, json, sys
 from pathlib import Path
 from harness.nemesis import Nemesis, RemoteFaultProxy, halt
 from harness.nemesis.watchdog import FaultRegistry
-from harness.stack import proxy_process
+from harness.stack.base import proxy_process
 
 async def main(pid, deadline, root):
     halt.stop_on_sigterm()
@@ -158,7 +158,7 @@ def test_gameday_run_refuses_while_a_halt_stands(tmp_path: Path,
 
 SCENARIO = """
 import os
-from harness.gameday import GameDay
+from harness.record.gameday import GameDay
 
 async def test_waits_under_a_fault(gameday: GameDay) -> None:
     await gameday.endpoints.nemesis.pause_process(int(os.environ["SLEEPER"]), 600)

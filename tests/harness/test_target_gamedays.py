@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
-from harness.client import CoveyClient, json_of
-from harness.isolation import is_game_day_agent
-from harness.postgres import create_database, drop_database
-from harness.stack import free_port, wait_until_healthy
+from harness.act.client import CoveyClient, json_of
+from harness.stack.base import free_port, wait_until_healthy
+from harness.stack.isolation import is_game_day_agent
+from harness.stack.postgres import create_database, drop_database
 
 pytestmark = pytest.mark.slow
 
@@ -207,8 +207,8 @@ async def test_fleet_stop_three_times_on_one_deployment(deployment: Deployment, 
 FAILS_AFTER_THE_KILL = """
 import asyncio
 
-from harness.client import json_of
-from harness.waiting import eventually
+from harness.act.client import json_of
+from harness.stack.waiting import eventually
 
 
 async def test_fails_after_the_fleet_kill(gameday):

@@ -28,7 +28,10 @@ from harness.nemesis import halt
 from harness.report import runs
 from harness.report.page import write_page
 from harness.report.trend import write_index
-from harness.stack import ContainersStack, ProcessesStack, Stack, TargetStack
+from harness.stack.base import Stack
+from harness.stack.containers import ContainersStack
+from harness.stack.processes import ProcessesStack
+from harness.stack.target import TargetStack
 
 app = typer.Typer(help="Game days for the kill switches of a covey agent fleet.",
                   no_args_is_help=True, add_completion=False, rich_markup_mode=None)
@@ -106,7 +109,7 @@ def run(
     terminal = Console(file=os.fdopen(os.dup(1), "w", buffering=1), highlight=False)
     handler = RichHandler(console=terminal, show_path=False, markup=False,
                           log_time_format="[%H:%M:%S]")
-    phases = logging.getLogger("harness.gameday")
+    phases = logging.getLogger("harness.record.gameday")
     phases.setLevel(logging.INFO)
     phases.addHandler(handler)
     try:

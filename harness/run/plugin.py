@@ -17,23 +17,26 @@ from typing import Any, Protocol, cast
 
 import pytest
 
-from harness.bounds import FIGURES
-from harness.checkers import CHECKERS, Checker
-from harness.gameday import GameDay, phases
-from harness.isolation import isolation_header
-from harness.lifecycle import run_game_day
-from harness.measures import MEASURES, Measure
+from harness.judge.bounds import FIGURES
+from harness.judge.checkers import CHECKERS, Checker
+from harness.judge.costs import MEASURES, Measure
+from harness.judge.switch_checkers import CATALOGUE
+from harness.judge.verdicts import KNOWN_CHECKERS, broken_rules, render
 from harness.nemesis import halt
+from harness.record.gameday import GameDay, phases
 from harness.report.summary import (
     game_day_written,
     pytest_sessionfinish,
     pytest_terminal_summary,
 )
-from harness.rollback import RollbackFailed
-from harness.stack import ContainersStack, Endpoints, ProcessesStack, Stack, TargetStack
-from harness.steady import SteadyStateNotMet
-from harness.switch_checkers import CATALOGUE
-from harness.verdicts import KNOWN_CHECKERS, broken_rules, render
+from harness.run.lifecycle import run_game_day
+from harness.run.rollback import RollbackFailed
+from harness.run.steady import SteadyStateNotMet
+from harness.stack.base import Endpoints, Stack
+from harness.stack.containers import ContainersStack
+from harness.stack.isolation import isolation_header
+from harness.stack.processes import ProcessesStack
+from harness.stack.target import TargetStack
 
 # Hooks of the report's, found by pytest under these names in this plugin module.
 __all__ = ["pytest_sessionfinish", "pytest_terminal_summary"]

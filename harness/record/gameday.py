@@ -19,8 +19,12 @@ from typing import Any, Literal
 import httpx
 from faker import Faker
 
-from harness.bounds import BOUND_PREFIX, Figure, bounded_figures
-from harness.checkers import (
+from harness.act.client import CoveyClient, json_of
+from harness.act.expect import Expect
+from harness.act.operator import Operator, Until
+from harness.act.puppet import Behaviour, behaviour_name, resolve
+from harness.judge.bounds import BOUND_PREFIX, Figure, bounded_figures
+from harness.judge.checkers import (
     CHECKERS,
     FAILING_SERVICE_CALL_F,
     HOME_FILES_F,
@@ -35,23 +39,19 @@ from harness.checkers import (
     Verdict,
     judge_all,
 )
-from harness.client import CoveyClient, json_of
-from harness.expect import Expect
-from harness.history import History
-from harness.isolation import Organisation, agent_slug, run_id
-from harness.measure import TimeToStop, summarize, time_to_stop
-from harness.measures import Measure
-from harness.operator import Operator, Until
-from harness.puppet import Behaviour, behaviour_name, resolve
-from harness.remains import remains_of
-from harness.rollback import roll_back_loudly
-from harness.stack import Endpoints
-from harness.steady import prepare
-from harness.switch_checkers import LEASE_F, SANDBOX_F
-from harness.verdicts import broken_rules
+from harness.judge.costs import Measure
+from harness.judge.switch_checkers import LEASE_F, SANDBOX_F
+from harness.judge.time_to_stop import TimeToStop, summarize, time_to_stop
+from harness.judge.verdicts import broken_rules
+from harness.record.history import History
+from harness.record.remains import remains_of
+from harness.run.rollback import roll_back_loudly
+from harness.run.steady import prepare
+from harness.stack.base import Endpoints
+from harness.stack.isolation import Organisation, agent_slug, run_id
 
 # The game day's phases as they happen, for whoever listens (`gameday run` shows them).
-phases = logging.getLogger("harness.gameday")
+phases = logging.getLogger("harness.record.gameday")
 ROLES = ("agent_owner", "security", "auditor", "controlling")
 GAME_DAY_MAX_TURNS = 10_000
 GAME_DAY_GUARD = {"max_tokens": 10_000_000, "max_tool_calls": 100_000, "max_wall_s": 3600.0}
@@ -143,14 +143,14 @@ class GameDay:
     measures: dict[str, Measure] = field(default_factory=dict)
     measurements: dict[str, Any] = field(default_factory=dict)
     # The figures this game day exists for, each with the bound its scenario states
-    # (`bounds` marker, harness/bounds.py), and what they read at the judgement.
+    # (`bounds` marker, harness/judge/bounds.py), and what they read at the judgement.
     bounds: dict[str, float] = field(default_factory=dict)
     figures: list[Figure] = field(default_factory=list)
-    # What the game day concluded (harness/lifecycle.py fills it in), and the rule the
+    # What the game day concluded (harness/run/lifecycle.py fills it in), and the rule the
     # scenario saw broken as it went on, if it stopped on one: what a failure leads with.
     outcome: Outcome = field(default_factory=Outcome)
     seen_broken: str | None = None
-    # Isolation, steady-state hypothesis and rollback (harness/isolation.py, steady.py,
+    # Isolation, steady-state hypothesis and rollback (harness/stack/isolation.py, steady.py,
     # rollback.py): where the game day runs, its probe agents, and their journal sections.
     run_id: str = field(default_factory=run_id)
     organisation: Organisation | None = None
@@ -191,7 +191,7 @@ class GameDay:
                     owner: str | None = None) -> dict[str, Any]:
         """An agent of this game day whose model answers with `behaviour`: a built-in
         behaviour's name, a script of fixtures/scripts by name, or a script inline
-        (harness/scripts.py). Its step, token, tool-call and time limits are out of reach
+        (harness/act/scripts.py). Its step, token, tool-call and time limits are out of reach
         unless `guard` sets them: a game day's agents stop because of the switch, fault or
         guard layer under test, not because a long-running behaviour used up its default 20
         steps. `guard` takes the API's guard thresholds (loop_repeats, breaker_failures, ...);
@@ -333,7 +333,7 @@ class GameDay:
     def read_home(self, agent_id: str, label: str, sandbox_id: str | None = None
                   ) -> dict[str, int]:
         """The files of a home (path: bytes), recorded as a `home_files` observation under
-        `label` (harness.measures: last_sync, sandbox_at_kill, restored)."""
+        `label` (harness.judge.costs: last_sync, sandbox_at_kill, restored)."""
         root = self.home_dir(agent_id, sandbox_id)
         files = {str(p.relative_to(root)): p.stat().st_size
                  for p in sorted(root.rglob("*")) if p.is_file()} if root.is_dir() else {}
@@ -343,7 +343,7 @@ class GameDay:
 
     async def remains(self, agent_id: str, record: bool = True) -> list[str] | None:
         """What of the agent's sandboxes still exists on this machine, looked at directly
-        (harness/remains.py), recorded as a `sandbox_remains` observation; None where the
+        (harness/record/remains.py), recorded as a `sandbox_remains` observation; None where the
         stack's sandboxes are not on this machine."""
         found = await asyncio.to_thread(remains_of, self.stack, agent_id)
         if record and found is not None:
@@ -474,7 +474,7 @@ class GameDay:
 
     async def prepare(self) -> None:
         """The steady-state hypothesis, the game day's organisation and people
-        (harness/steady.py); SteadyStateNotMet when the system is not fit to start."""
+        (harness/run/steady.py); SteadyStateNotMet when the system is not fit to start."""
         await prepare(self)
 
     async def collect(self) -> FinalState:
@@ -489,7 +489,7 @@ class GameDay:
         return await self.final_state()
 
     async def roll_back(self) -> None:
-        """Leave the system as the game day found it (harness/rollback.py); RollbackFailed
+        """Leave the system as the game day found it (harness/run/rollback.py); RollbackFailed
         with what is left standing."""
         await roll_back_loudly(self)
 

@@ -1,7 +1,7 @@
 """Checkers: pure functions from a game day's history (and what the harness read at the end)
 to a verdict that points at the events proving it. The run only records; these judge after.
 
-What they read from the history (see harness.history and harness.stops):
+What they read from the history (see harness.record.history and harness.judge.stops):
 * `kill_agent`, `kill_fleet`, `resume_agent`, `resume_fleet`: operator operations;
 * `action` by process `agent:<id>`: one entry of the puppet model's ledger, at its own time,
   with `value["sent_ns"]`, when the daemon sent the request (None: it did not say);
@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, NotRequired, TypedDict
 
-from harness.history import Event, History, Operation
-from harness.stops import RESUME_SCOPES, Stop, holding, stops
+from harness.judge.stops import RESUME_SCOPES, Stop, holding, stops
+from harness.record.history import Event, History, Operation
 
 Validity = bool | Literal["unknown"]
 
@@ -419,10 +419,10 @@ def kill_obeyed(history: History, final: FinalState,
 
 
 GUARD_LAYERS = ("budget", "steps", "loop", "circuit_breaker")
-HOME_FILES_F = "home_files"  # {"agent_id", "label", "files": {path: bytes}}; harness.measures
+HOME_FILES_F = "home_files"  # {"agent_id", "label", "files": {path: bytes}}; harness.judge.costs
 HOME_SYNC_F = "home_sync"  # by `agent:<id>`, {"sandbox_id"}: a sandbox's last sync to the home
 # {"agent_id", "remains": [what]}: what of the agent's sandboxes the harness found on the
-# machine itself (harness/remains.py): processes, containers; empty when nothing.
+# machine itself (harness/record/remains.py): processes, containers; empty when nothing.
 SANDBOX_REMAINS_F = "sandbox_remains"
 
 

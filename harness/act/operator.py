@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from harness.client import ApiFailure, json_of
-from harness.waiting import eventually
+from harness.act.client import ApiFailure, json_of
+from harness.stack.waiting import eventually
 
 if TYPE_CHECKING:
-    from harness.client import CoveyClient
-    from harness.gameday import GameDay
+    from harness.act.client import CoveyClient
     from harness.nemesis import FaultRecord
+    from harness.record.gameday import GameDay
 
 AgentRef = dict[str, Any] | str
 # The read of every task before a kill must not hold the switch back when the control plane

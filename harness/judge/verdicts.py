@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 from collections.abc import Collection, Iterable
 
-from harness.bounds import BOUND_PREFIX
-from harness.checkers import Verdict
-from harness.history import Event, History
-from harness.switch_checkers import CATALOGUE
+from harness.judge.bounds import BOUND_PREFIX
+from harness.judge.checkers import Verdict
+from harness.judge.switch_checkers import CATALOGUE
+from harness.record.history import Event, History
 
 KNOWN_CHECKERS = frozenset(c.__name__ for c in CATALOGUE)
 EVENTS_SHOWN = 8

@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from harness.gameday import GameDay, VerdictsBroken, phases
+from harness.judge.verdicts import broken_rules
 from harness.nemesis import halt
-from harness.rollback import RollbackFailed
-from harness.verdicts import broken_rules
+from harness.record.gameday import GameDay, VerdictsBroken, phases
+from harness.run.rollback import RollbackFailed
 
 
 class GameDayNotJudged(AssertionError):
