@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,7 +19,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from harness.nemesis import Nemesis, halt
+from harness.nemesis import Nemesis, halt, watchdog
 from harness.nemesis.watchdog import STATE_ENV, FaultRegistry
 from harness.run.cli import app
 from harness.stack.waiting import eventually
@@ -154,6 +155,28 @@ def test_gameday_run_refuses_while_a_halt_stands(tmp_path: Path,
     released = cli.invoke(app, ["halt", "--release"])
     assert released.exit_code == 0 and "released" in released.output, released.output
     assert halt.refusal(tmp_path) is None, "the halt still stands after its release"
+
+
+def test_a_halt_is_one_users_unless_all_users_are_asked_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Another user's game days on the same host keep running through my halt.
+    monkeypatch.delenv(STATE_ENV, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    other = tmp_path / "covey-gameday-4242"
+    other.mkdir()
+    mine = watchdog.state_dir()
+    assert mine == tmp_path / f"covey-gameday-{os.getuid()}", mine
+    cli = CliRunner()
+    assert cli.invoke(app, ["halt", "--reason", "mine only"]).exit_code == 0
+    assert halt.refusal(mine) is not None, "my halt does not stand"
+    assert halt.refusal(other) is None, "my halt stopped another user's game days"
+    assert cli.invoke(app, ["halt", "--release"]).exit_code == 0
+    pulled = cli.invoke(app, ["halt", "--all-users", "--reason", "everyone"])
+    assert pulled.exit_code == 0, pulled.output
+    assert halt.refusal(mine) is not None and halt.refusal(other) is not None, (
+        f"--all-users did not halt every user's game days: {pulled.output}")
+    assert cli.invoke(app, ["halt", "--release", "--all-users"]).exit_code == 0
+    assert halt.refusal(mine) is None and halt.refusal(other) is None
 
 
 SCENARIO = """
