@@ -270,8 +270,10 @@ class Orchestrator:
             " WHERE s.id=x.id AND s.kill_confirmed_by IS NULL")
         self.record_daemon_stop = BatchedWrite(
             self.switch_pool,
-            "UPDATE sessions s SET daemon_stop=x.stop, daemon_stop_detail=x.detail"
-            " FROM unnest($1::uuid[], $2::text[], $3::text[]) AS x(id, stop, detail)"
+            "UPDATE sessions s SET daemon_stop=x.stop, daemon_stop_detail=x.detail,"
+            " tool_cut=x.cut"
+            " FROM unnest($1::uuid[], $2::text[], $3::text[], $4::jsonb[])"
+            " AS x(id, stop, detail, cut)"
             " WHERE s.id=x.id AND s.daemon_stop IS NULL")
 
     # ---------------------------------------------------------------- waking

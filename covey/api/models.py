@@ -319,6 +319,16 @@ class SandboxOut(BaseModel):
         "home: what a kill keeps")
 
 
+class ToolCutOut(BaseModel):
+    tool: str | None
+    pid: int | None = None
+    pgid: int | None = None
+    ran_ms: float | None = None
+    processes_killed: int | None = None
+    all_gone: bool | None = Field(
+        default=None, description="No process the tools started was left alive")
+
+
 class SessionOut(BaseModel):
     id: UUID
     task_id: UUID | None
@@ -344,6 +354,11 @@ class SessionOut(BaseModel):
     kill_acked_at: datetime | None = Field(
         default=None, description="When the daemon acknowledged the kill, on its own clock "
         "(from its kill_ack; null without one): it sends no model request after this")
+    tool_cut: ToolCutOut | None = Field(
+        default=None, description="What the daemon's stop cut, as its last message said: "
+        "the tool call under way (null tool: none was), its process (pid = pgid) and how "
+        "long it had run, and how many of the tools' processes were killed before the "
+        "daemon said it stopped")
 
 
 class NotificationOut(BaseModel):
