@@ -8,10 +8,15 @@ real WebSocket, the scripted daemon started by the process backend."""
 from __future__ import annotations
 
 import time
+import uuid
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
+import pytest
+
+from covey.config import ConfigError, Settings
 from covey.testing import SCRIPTED_DAEMON
 from covey.testing.plane import World, make_world, start_plane
 from harness.checkers import KILL_DELIVERY_F, FinalState, Verdict, kill_obeyed
@@ -118,3 +123,41 @@ async def test_a_daemon_that_never_acknowledges_is_torn_down_within_the_bound(
                "sandbox down" in verdict.message, verdict.message
         metrics = (await world.anonymous.get("/metrics")).text
         assert 'covey_kill_confirmation_seconds_count{by="teardown"}' in metrics
+
+
+async def test_the_replica_that_holds_a_deaf_daemon_tears_it_down(
+        database_url: str, tmp_path: Path) -> None:
+    """A kill pulled on the replica without the daemon reaches it by NOTIFY; the replica
+    holding it holds the second line too, and the kill's own answer reads the teardown."""
+    async with start_plane(database_url, tmp_path / "a", SCRIPTED_DAEMON, lease_ms=20_000,
+                           kill_ack_bound_ms=500) as a, \
+            start_plane(database_url, tmp_path / "b", SCRIPTED_DAEMON, lease_ms=20_000,
+                        kill_ack_bound_ms=500) as b, make_world(a) as world:
+        agent = await world.agent()
+        task = await world.task(agent["id"], "deaf")
+        await world.wait_task(task["id"], "in_progress")
+        session, node = await world.db.fetchrow(
+            "SELECT id, node FROM sessions WHERE agent_id=$1 AND state='running'",
+            uuid.UUID(agent["id"]))
+        other = b if node == a.orch.node else a
+        assert other.orch.hub.session_ids() == []
+
+        token = world.org_admin.headers["Authorization"]
+        async with httpx.AsyncClient(base_url=other.url, headers={"Authorization": token}
+                                     ) as client:
+            r = await client.post(f"/api/v1/agents/{agent['id']}/kill")
+        assert r.status_code == 200, r.text
+        assert r.json()["sessions_torn_down"] == [str(session)], r.text
+        assert r.json()["sessions_acknowledged"] == [], r.text
+        assert await _exit_code(world, agent["id"]) == -9
+
+
+def test_the_kill_ack_bound_is_well_under_the_lease() -> None:
+    def bound(**env: str) -> float | None:
+        return Settings.from_env({"COVEY_DATA_DIR": "/tmp/x", **env}).kill_ack_bound_s
+    assert bound() == 1.0
+    assert bound(COVEY_KILL_ACK_BOUND_MS="300") == 0.3
+    assert bound(COVEY_LEASE_MS="1000") == 0.5  # never more than half the lease
+    assert bound(COVEY_KILL_ACK_BOUND_MS="0") is None  # no second line
+    with pytest.raises(ConfigError):
+        bound(COVEY_KILL_ACK_BOUND_MS="-1")
