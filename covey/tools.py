@@ -247,8 +247,54 @@ def reap_orphans() -> None:
 
 
 def descendants(root: int) -> list[int]:
-    """The live processes below `root` (zombies are dead), from one pass over /proc
-    (Linux); none where there is no /proc."""
+    """The live processes below `root` (zombies are dead). Where the kernel lists each
+    thread's children (/proc/<pid>/task/<tid>/children) only the tree is read; elsewhere one
+    pass over all of /proc, which on a host of a thousand processes costs a daemon some
+    15 ms each time (a fleet kill's daemons all cut at once)."""
+    if os.path.exists(f"/proc/{root}/task/{root}/children"):
+        return _descendants_by_tree(root)
+    return _descendants_by_scan(root)
+
+
+def _state(pid: int) -> tuple[bytes, int] | None:
+    """A process's state letter and parent, from /proc/<pid>/stat; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # pid (comm) state ppid ...: comm may hold spaces and parentheses.
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return (fields[0], int(fields[1])) if len(fields) >= 2 else None
+
+
+def _alive(state: tuple[bytes, int] | None) -> bool:
+    return state is not None and state[0] not in (b"Z", b"X", b"x")
+
+
+def _descendants_by_tree(root: int) -> list[int]:
+    found: list[int] = []
+    below = [root]
+    while below:
+        pid = below.pop()
+        try:
+            threads = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in threads:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                    children = [int(c) for c in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            for child in children:
+                if _alive(_state(child)):
+                    found.append(child)
+                below.append(child)
+    return found
+
+
+def _descendants_by_scan(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     live: set[int] = set()
     try:
@@ -258,18 +304,12 @@ def descendants(root: int) -> list[int]:
     for entry in entries:
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:  # gone meanwhile
-            continue
-        # pid (comm) state ppid ...: comm may hold spaces and parentheses.
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if len(fields) < 2:
+        state = _state(int(entry))
+        if state is None:  # gone meanwhile
             continue
         pid = int(entry)
-        children.setdefault(int(fields[1]), []).append(pid)
-        if fields[0] not in (b"Z", b"X", b"x"):
+        children.setdefault(state[1], []).append(pid)
+        if _alive(state):
             live.add(pid)
     found: list[int] = []
     below = list(children.get(root, []))

@@ -31,6 +31,7 @@ from tests.test_coveyd import _sandbox, _session_of, cworld  # noqa: F401 (a fix
 LONG_COMMAND = ("setsid sleep 3600 & sh -c 'setsid sleep 3601 &'; "
                 "while true; do touch x$RANDOM; sleep 0.01; done")
 ESCAPEES = (["sleep", "3600"], ["sleep", "3601"])
+CHILD_LISTS = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
 
 
 def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
@@ -257,3 +258,27 @@ async def test_a_control_plane_gone_leaves_nothing_of_the_command_behind(
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+
+
+@pytest.mark.parametrize("read", ["scan", "tree"])
+async def test_the_cut_finds_every_live_process_below_the_daemon(read: str) -> None:
+    """Both ways of reading the tree (the whole of /proc, or the kernel's child lists where
+    it keeps them) find the same live processes psutil does, escapees of the group too."""
+    from covey import tools
+
+    if read == "tree" and not CHILD_LISTS:
+        pytest.skip("this kernel keeps no child lists (CONFIG_PROC_CHILDREN)")
+    find = tools._descendants_by_tree if read == "tree" else tools._descendants_by_scan
+    shell = await asyncio.create_subprocess_shell(
+        "sleep 30 & setsid sleep 31 & wait", start_new_session=True)
+    try:
+        async def both_sleeping() -> list[int] | None:
+            expected = sorted(p.pid for p in _alive(psutil.Process().children(recursive=True)))
+            return expected if len(expected) == 3 else None
+        expected = await eventually(both_sleeping, 10, "the shell never started its sleeps")
+        assert sorted(find(os.getpid())) == expected
+    finally:
+        for pid in [shell.pid, *find(os.getpid())]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        await shell.wait()
