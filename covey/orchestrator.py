@@ -909,7 +909,7 @@ class Orchestrator:
         # through a proxy. Bounded: a daemon that cannot answer is stopped by its lease.
         # Those another replica holds too: a game day pulled a kill on one replica and had
         # its answer before the daemon on the other had even heard of it.
-        bound_s = min(self.settings.lease_ms / 1000, 2.0)
+        bound_s = self._confirm_bound_s
         here = set(report.kill_delivered)
         (local, torn), remote = await asyncio.gather(
             self._second_line(report.kill_delivered, bound_s),
@@ -919,6 +919,11 @@ class Orchestrator:
         report.kill_acknowledged = [*self.hub.acknowledged(local),
                                     *(s for s, how in remote.items() if how == "kill_ack")]
         report.kill_torn_down = [*torn, *(s for s, how in remote.items() if how == "teardown")]
+
+    @property
+    def _confirm_bound_s(self) -> float:
+        """How long a kill's answer waits for its daemons' confirmations at most."""
+        return min(self.settings.lease_ms / 1000, 2.0)
 
     async def _second_line(self, session_ids: list[UUID], bound_s: float
                            ) -> tuple[list[UUID], list[UUID]]:
@@ -932,8 +937,9 @@ class Orchestrator:
         otherwise ran on until its lease lapsed, acting all the while. The bound sits well
         under the lease; a daemon torn down is never counted as having obeyed. A daemon
         that hung up without a word within the bound is torn down too if it still runs (its
-        record keeps the hang-up). Without the second line (COVEY_KILL_ACK_BOUND_MS=0, or
-        no runner here) the wait is `bound_s` and a deaf daemon stops by its lease."""
+        record keeps the hang-up). A daemon whose sandbox this runner does not hold is waited
+        for up to `bound_s`, as is every daemon without the second line
+        (COVEY_KILL_ACK_BOUND_MS=0, or no runner here): a deaf one stops by its lease."""
         ack_bound_s = self.settings.kill_ack_bound_s
         if ack_bound_s is None or self.runner is None or not session_ids:
             return await self.hub.wait_stopped(session_ids, bound_s), []
@@ -945,6 +951,9 @@ class Orchestrator:
                                    ack_bound_s)
         torn = self.hub.torn_down(session_ids)
         confirmed.update(torn)
+        if rest := [s for s in session_ids if s not in confirmed]:
+            left_s = max(0.0, bound_s - (time.time_ns() - sent_ns) / 1e9)
+            confirmed.update(await self.hub.wait_stopped(rest, left_s))
         return [s for s in session_ids if s in confirmed], torn
 
     async def _tear_down_once(self, session_ids: list[UUID], ack_bound_s: float) -> None:
@@ -1035,7 +1044,7 @@ class Orchestrator:
         # runner can tear its sandbox down (the kill's own replica reads the confirmation).
         delivered = [s for s, ok in zip(sending, sent, strict=True) if ok]
         if delivered and self.settings.kill_ack_bound_s is not None and self.runner:
-            self.spawn(self._second_line(delivered, self.settings.lease_ms / 1000))
+            self.spawn(self._second_line(delivered, self._confirm_bound_s))
 
     async def resume_agent(self, org_id: UUID, agent_id: UUID, actor_id: UUID | None,
                            reason: str | None = None) -> ResumeReport | None:
