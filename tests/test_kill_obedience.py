@@ -19,10 +19,10 @@ import pytest
 from covey.config import ConfigError, Settings
 from covey.testing import SCRIPTED_DAEMON
 from covey.testing.plane import World, make_world, start_plane
-from harness.checkers import KILL_DELIVERY_F, FinalState, Verdict, kill_obeyed
-from harness.gameday import kill_delivery
-from harness.history import History
-from harness.waiting import eventually
+from harness.judge.checkers import KILL_DELIVERY_F, FinalState, Verdict, kill_obeyed
+from harness.record.gameday import kill_delivery
+from harness.record.history import History
+from harness.stack.waiting import eventually
 
 
 async def _kill_and_judge(world: World, body: str, *, says_why: bool = True
