@@ -43,6 +43,9 @@ class Settings:
     max_daemon_retries: int = 5
     max_body_bytes: int = 64 * 1024
     kill_grace_s: float = 5.0
+    # The second line: a daemon that has not acknowledged its kill this long after it was
+    # sent has its sandbox torn down by the runner (see kill_ack_bound_s). 0: no second line.
+    kill_ack_bound_ms: int = 1000
     # Variables of the control plane's own environment that sandboxes get; nothing else of it
     # (a sandbox must not see DATABASE_URL). COVEY_SANDBOX_PASS_ENV adds names.
     sandbox_pass_env: tuple[str, ...] = ("COVEY_MODEL_API_KEY", "COVEY_MODEL_PRICES",
@@ -60,6 +63,15 @@ class Settings:
     switch_connections: int = 4
     # "auto": the process sandboxes share one CPU cgroup where one can be made (covey/cpu_group.py).
     sandbox_cpu_group: str = "auto"
+
+    @property
+    def kill_ack_bound_s(self) -> float | None:
+        """How long a daemon has to acknowledge a kill before the runner tears its sandbox
+        down; None when the second line is off. Never more than half the lease: the second
+        line must come well before a deaf daemon would stop by itself."""
+        if self.kill_ack_bound_ms <= 0:
+            return None
+        return min(self.kill_ack_bound_ms, self.lease_ms / 2) / 1000
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -95,6 +107,7 @@ class Settings:
             daemon_token_ttl_s=_int_env(env, "COVEY_DAEMON_TOKEN_TTL_S", 60, 1),
             daemon_timeout_s=_int_env(env, "COVEY_DAEMON_TIMEOUT_S", 15, 1),
             max_daemon_retries=_int_env(env, "COVEY_MAX_DAEMON_RETRIES", 5, 0),
+            kill_ack_bound_ms=_int_env(env, "COVEY_KILL_ACK_BOUND_MS", 1000, 0),
             sandbox_pass_env=(*cls.sandbox_pass_env, *(
                 n.strip() for n in env.get("COVEY_SANDBOX_PASS_ENV", "").split(",") if n.strip())),
             sandbox_image=env.get("COVEY_SANDBOX_IMAGE") or "covey-gameday:latest",

@@ -9,6 +9,11 @@ Why it stopped is said twice more, because exit code 3 alone cannot tell an obey
 from a lease that ran out (a daemon deaf to `kill` once looked exactly like one that obeyed):
 in its last message to the control plane (`kill_ack` for an obeyed kill, `stopping` for every
 other way out, as far as the channel still carries it) and in its exit log line.
+
+Whatever way it stops, the tool call under way is cut first (covey.tools, `Toolbox.cut`):
+every process the tools started is dead before the daemon says it stopped, and that last
+message names the call it cut. An `rm -rf` started a moment before the kill must not outlive
+the acknowledgement the operator is answered with.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from websockets.asyncio.client import ClientConnection
 
 from covey import __version__
 from covey.guard import Guard, KillFlag, LeaseExpiredTrip, Limits, ToolStoppedTrip, Trip
-from covey.tools import SCHEMAS, Toolbox
+from covey.tools import SCHEMAS, RunningTool, Toolbox, ToolCut, become_subreaper
 
 log = logging.getLogger("coveyd")
 
@@ -145,6 +150,13 @@ class Daemon:
     halted: bool = False
     stopped: asyncio.Future[Stop] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
+    toolbox: Toolbox = field(init=False)
+    # The call the stop struck (`stop_work`), and what the cut of the tools ended.
+    struck: RunningTool | None = None
+    cut: ToolCut | None = None
+
+    def __post_init__(self) -> None:
+        self.toolbox = Toolbox(self.env.home, self.http)
 
     async def send(self, kind: str, payload: dict[str, Any]) -> None:
         await self.ws.send(json.dumps({"type": kind, "payload": payload}, default=str))
@@ -156,12 +168,32 @@ class Daemon:
             self.stopped.set_result(Stop(kind, code, detail))
 
     def stop_work(self, why: str) -> None:
-        """Stop at once: no safe boundary, no report. The run's tool calls die with it."""
+        """Stop at once: no safe boundary, no report. The command under way is struck
+        first (its process group SIGKILLed, here and now: the cancellation reaches the run
+        only when the loop next gets to it); `cut_tools` finishes the job."""
+        if not self.halted:
+            self.struck = self.toolbox.cut_now()
         self.halted = True
         if self.work is not None:
             self.work.cancel()
         log.warning("kill switch: %s", why)
         log.warning("daemon terminates immediately")
+
+    async def cut_tools(self) -> ToolCut:
+        """End every process the tools started and say what was cut (once)."""
+        if self.cut is None:
+            if not self.halted:  # a stop of another kind: nothing more may start either
+                self.struck = self.toolbox.cut_now()
+                self.halted = True
+                if self.work is not None:
+                    self.work.cancel()
+            self.cut = await self.toolbox.cut(self.struck)
+            if self.cut.tool is not None or self.cut.processes_killed:
+                log.warning("tool call cut: %s after %.0f ms, %d process(es) killed%s",
+                            self.cut.tool or "none under way", self.cut.ran_ms or 0,
+                            self.cut.processes_killed,
+                            "" if self.cut.all_gone else "; some survived SIGKILL")
+        return self.cut
 
     def lease_lapsed(self, why: str) -> None:
         self.stop_work(why)
@@ -179,12 +211,15 @@ class Daemon:
                 reason = str(payload.get("reason", "?"))
                 self.stop_work(f"reason {reason}")
                 stop = Stop("kill", EXIT_KILLED, f"reason {reason}")
-                # Confirmed once nothing more can start: the control plane answers the
-                # operator when the kill is in hand here. The ack is this daemon's last word,
-                # with when it was given: no model request may be sent after it.
+                cut = await self.cut_tools()
+                # Confirmed once nothing more can start and nothing the tools started is
+                # left: the control plane answers the operator when the kill is in hand
+                # here. The ack is this daemon's last word, with when it was given (no model
+                # request may be sent after it) and what it cut.
                 with contextlib.suppress(websockets.ConnectionClosed, TimeoutError):
                     await asyncio.wait_for(self.send("kill_ack", {
-                        **stop.payload(), "acked_ns": time.time_ns()}), 1.0)
+                        **stop.payload(), "acked_ns": time.time_ns(),
+                        "cut": cut.payload()}), 1.0)
                 if in_a_crowd(payload):
                     step_aside()
                 self.finish(stop.kind, stop.exit_code, stop.detail)
@@ -281,7 +316,7 @@ class Daemon:
     async def engine(self, task: dict[str, Any]) -> Outcome:
         guard = self.make_guard()
         model = str(self.config.get("model", "puppet"))
-        toolbox = Toolbox(self.env.home, self.http)
+        toolbox = self.toolbox
         messages: list[dict[str, Any]] = [
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": f"{task.get('title', '')}\n\n{task.get('body', '')}"},
@@ -377,9 +412,13 @@ async def run(env: Env) -> int:
         started = time.monotonic()
         stop = await daemon.stopped
         code = stop.exit_code
+        # However it stops (its lease lapsed, its control plane gone, an error), nothing a
+        # tool started outlives the daemon. A kill's was cut before its kill_ack.
+        cut = await daemon.cut_tools()
         if stop.kind != "kill":  # an obeyed kill's last word was its kill_ack
             with contextlib.suppress(websockets.ConnectionClosed, TimeoutError, OSError):
-                await asyncio.wait_for(daemon.send("stopping", stop.payload()), LAST_WORD_S)
+                await asyncio.wait_for(daemon.send("stopping", {
+                    **stop.payload(), "cut": cut.payload()}), LAST_WORD_S)
         if code == EXIT_KILLED:
             # No closing handshake: the channel may be the very thing that is cut.
             ws.transport.abort()
@@ -425,6 +464,9 @@ def main() -> None:
     level = (os.environ.get("COVEY_LOG_LEVEL") or "INFO").upper()
     logging.basicConfig(stream=sys.stderr, level=level,
                         format="%(asctime)s coveyd %(levelname)s %(message)s")
+    if not become_subreaper():
+        log.warning("not a subreaper: a tool's process that leaves its group and loses its "
+                    "parent escapes the cut")
     try:
         env = Env.load()
         code = asyncio.run(run(env))

@@ -29,10 +29,12 @@ class DaemonLink:
     waits: list[_StopWait] = field(default_factory=list)
     # The kill sent here and how it was confirmed (wall clock, this replica's): by the
     # daemon's `kill_ack`, or only by its hang-up, after its lease ran out (its last word
-    # said so) or without a word. Only an ack is obedience; a hang-up also ends the wait.
+    # said so) or without a word, or by the runner tearing its sandbox down when it had not
+    # acknowledged within the bound (the second line). Only an ack is obedience; the others
+    # also end the wait.
     kill_sent_ns: int | None = None
     kill_confirmed_ns: int | None = None
-    kill_confirmed_by: str | None = None  # kill_ack | lease | hang_up
+    kill_confirmed_by: str | None = None  # kill_ack | lease | hang_up | teardown
     last_word: str | None = None  # the daemon's `stopping` reason, when it said one
     # Written to the session already (each once per connection: a fleet kill's thousand
     # confirmations are batched, and a second write of the same would only cost a trip).
@@ -106,6 +108,27 @@ class DaemonHub:
         link = self._links.get(session_id)
         if link is not None:
             link.confirm_kill("kill_ack")
+
+    def confirm_teardown(self, session_id: UUID) -> DaemonLink | None:
+        """The runner tore down the sandbox of a daemon that had not acknowledged the kill
+        sent here: that confirms the kill, unless the daemon's hang-up did already. Returns
+        the link when the teardown is what confirmed it."""
+        link = self._killed.get(session_id)
+        if link is None or link.kill_confirmed_by is not None:
+            return None
+        link.confirm_kill("teardown")
+        return link
+
+    def torn_down(self, session_ids: list[UUID]) -> list[UUID]:
+        """Of these sessions, those whose kill sent here was confirmed by a teardown."""
+        return [s for s in session_ids if (link := self._killed.get(s)) is not None
+                and link.kill_confirmed_by == "teardown"]
+
+    def first_kill_sent_ns(self, session_ids: list[UUID]) -> int | None:
+        """When the first of these sessions was sent its kill from here (wall clock)."""
+        sent = [link.kill_sent_ns for s in session_ids
+                if (link := self._killed.get(s)) is not None and link.kill_sent_ns is not None]
+        return min(sent, default=None)
 
     def acknowledged(self, session_ids: list[UUID]) -> list[UUID]:
         """Of these sessions, those whose daemon confirmed the kill sent here with its

@@ -21,6 +21,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 from uuid import UUID, uuid4
 
@@ -37,6 +38,7 @@ from covey.db import (
     DatabaseUnavailable,
     Pool,
     fetch_one,
+    through_outage,
     transaction,
 )
 from covey.hub import DaemonHub, DaemonLink
@@ -121,6 +123,8 @@ class KillReport:
     kill_delivered: list[UUID] = field(default_factory=list)
     kill_confirmed: list[UUID] = field(default_factory=list)
     kill_acknowledged: list[UUID] = field(default_factory=list)  # by kill_ack, not a hang-up
+    # Confirmed by the second line: not acknowledged within the bound, sandbox torn down.
+    kill_torn_down: list[UUID] = field(default_factory=list)
     tasks_requeued: list[UUID] = field(default_factory=list)
     agents: list[UUID] = field(default_factory=list)
     evicted_sandboxes: list[UUID] = field(default_factory=list)
@@ -259,6 +263,8 @@ class Orchestrator:
         # task that looks at them: see wake_notified.
         self._notified: dict[UUID, None] = {}
         self._notified_waking: asyncio.Task[None] | None = None
+        # Sessions whose sandboxes the second line is tearing down (see _tear_down_once).
+        self._tearing_down: dict[UUID, asyncio.Future[None]] = {}
         # A fleet kill's daemons confirm all at once: their words go to their sessions a
         # batch per statement, not a pool round trip (and a connection reset) each.
         self.record_kill_confirmation = BatchedWrite(
@@ -270,8 +276,10 @@ class Orchestrator:
             " WHERE s.id=x.id AND s.kill_confirmed_by IS NULL")
         self.record_daemon_stop = BatchedWrite(
             self.switch_pool,
-            "UPDATE sessions s SET daemon_stop=x.stop, daemon_stop_detail=x.detail"
-            " FROM unnest($1::uuid[], $2::text[], $3::text[]) AS x(id, stop, detail)"
+            "UPDATE sessions s SET daemon_stop=x.stop, daemon_stop_detail=x.detail,"
+            " tool_cut=x.cut"
+            " FROM unnest($1::uuid[], $2::text[], $3::text[], $4::jsonb[])"
+            " AS x(id, stop, detail, cut)"
             " WHERE s.id=x.id AND s.daemon_stop IS NULL")
 
     # ---------------------------------------------------------------- waking
@@ -901,15 +909,93 @@ class Orchestrator:
         # through a proxy. Bounded: a daemon that cannot answer is stopped by its lease.
         # Those another replica holds too: a game day pulled a kill on one replica and had
         # its answer before the daemon on the other had even heard of it.
-        bound_s = min(self.settings.lease_ms / 1000, 2.0)
+        bound_s = self._confirm_bound_s
         here = set(report.kill_delivered)
-        local, remote = await asyncio.gather(
-            self.hub.wait_stopped(report.kill_delivered, bound_s),
+        (local, torn), remote = await asyncio.gather(
+            self._second_line(report.kill_delivered, bound_s),
             self._confirmed_elsewhere([s["id"] for s in live if s["id"] not in here],
                                       bound_s))
         report.kill_confirmed = [*local, *remote]
         report.kill_acknowledged = [*self.hub.acknowledged(local),
                                     *(s for s, how in remote.items() if how == "kill_ack")]
+        report.kill_torn_down = [*torn, *(s for s, how in remote.items() if how == "teardown")]
+
+    @property
+    def _confirm_bound_s(self) -> float:
+        """How long a kill's answer waits for its daemons' confirmations at most."""
+        return min(self.settings.lease_ms / 1000, 2.0)
+
+    async def _second_line(self, session_ids: list[UUID], bound_s: float
+                           ) -> tuple[list[UUID], list[UUID]]:
+        """Wait for the daemons connected here to confirm the kill sent to them; those that
+        have not acknowledged it within the kill-ack bound (from the kill's send) have their
+        sandboxes torn down by the runner: the second line. Returns the sessions confirmed
+        (in the order given) and those of them confirmed by a teardown.
+
+        A daemon's acknowledgement is the first line, and a daemon is code that can break:
+        one deaf to `kill` (its kill handling broken, its loop blocked, its channel wedged)
+        otherwise ran on until its lease lapsed, acting all the while. The bound sits well
+        under the lease; a daemon torn down is never counted as having obeyed. A daemon
+        that hung up without a word within the bound is torn down too if it still runs (its
+        record keeps the hang-up). A daemon whose sandbox this runner does not hold is waited
+        for up to `bound_s`, as is every daemon without the second line
+        (COVEY_KILL_ACK_BOUND_MS=0, or no runner here): a deaf one stops by its lease."""
+        ack_bound_s = self.settings.kill_ack_bound_s
+        if ack_bound_s is None or self.runner is None or not session_ids:
+            return await self.hub.wait_stopped(session_ids, bound_s), []
+        sent_ns = self.hub.first_kill_sent_ns(session_ids) or time.time_ns()
+        left_s = max(0.0, ack_bound_s - (time.time_ns() - sent_ns) / 1e9)
+        confirmed = set(await self.hub.wait_stopped(session_ids, left_s))
+        acknowledged = set(self.hub.acknowledged(session_ids))
+        await self._tear_down_once([s for s in session_ids if s not in acknowledged],
+                                   ack_bound_s)
+        torn = self.hub.torn_down(session_ids)
+        confirmed.update(torn)
+        if rest := [s for s in session_ids if s not in confirmed]:
+            left_s = max(0.0, bound_s - (time.time_ns() - sent_ns) / 1e9)
+            confirmed.update(await self.hub.wait_stopped(rest, left_s))
+        return [s for s in session_ids if s in confirmed], torn
+
+    async def _tear_down_once(self, session_ids: list[UUID], ack_bound_s: float) -> None:
+        """Tear down the sandboxes of these sessions that still run here, once however many
+        paths ask: a kill reaches a daemon by the local call and by its own NOTIFY, and
+        whichever sends it, both hold the second line for it."""
+        theirs = {f for s in session_ids if (f := self._tearing_down.get(s)) is not None}
+        mine = [s for s in session_ids if s not in self._tearing_down]
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        for session_id in mine:
+            self._tearing_down[session_id] = done
+        try:
+            running = {} if self.runner is None else self.runner.sandboxes_of(mine)
+            destroyed = set() if not running or self.runner is None else set(
+                await self.runner.tear_down_now(list(running.values()), ack_bound_s))
+            for session_id, sandbox_id in running.items():
+                if sandbox_id not in destroyed:
+                    continue
+                log.warning("kill not acknowledged within its bound; sandbox torn down",
+                            session_id=str(session_id), sandbox_id=str(sandbox_id),
+                            bound_ms=round(ack_bound_s * 1000))
+                link = self.hub.confirm_teardown(session_id)
+                if link is not None:
+                    self._save_teardown(link)
+        finally:
+            for session_id in mine:
+                self._tearing_down.pop(session_id, None)
+            done.set_result(None)
+        if theirs:
+            await asyncio.wait(theirs)
+
+    def _save_teardown(self, link: DaemonLink) -> None:
+        """Write a teardown's confirmation on the session, without holding up the kill's
+        answer. Claimed first: the daemon's handler, which saves whatever confirmed the kill
+        when the torn-down daemon's channel ends, then leaves it alone."""
+        if link.confirmation_saved or link.kill_sent_ns is None or link.kill_confirmed_ns is None:
+            return
+        link.confirmation_saved = True
+        sent, confirmed = (datetime.fromtimestamp(ns / 1e9, UTC)
+                           for ns in (link.kill_sent_ns, link.kill_confirmed_ns))
+        self.spawn(through_outage(lambda: self.record_kill_confirmation.write(
+            link.session_id, sent, confirmed, "teardown", None), "kill confirmation"))
 
     async def _confirmed_elsewhere(self, session_ids: list[UUID], timeout_s: float
                                    ) -> dict[UUID, str]:
@@ -952,8 +1038,13 @@ class Orchestrator:
         kill's own announcement comes back here too, for every session it already sent
         to: those cost nothing now."""
         crowd = len(session_ids)
-        await asyncio.gather(*(self.hub.send_kill(s, crowd)
-                               for s in self.hub.not_yet_killed(session_ids)))
+        sending = self.hub.not_yet_killed(session_ids)
+        sent = await asyncio.gather(*(self.hub.send_kill(s, crowd) for s in sending))
+        # The second line holds here too: the replica that holds a daemon is the one whose
+        # runner can tear its sandbox down (the kill's own replica reads the confirmation).
+        delivered = [s for s, ok in zip(sending, sent, strict=True) if ok]
+        if delivered and self.settings.kill_ack_bound_s is not None and self.runner:
+            self.spawn(self._second_line(delivered, self._confirm_bound_s))
 
     async def resume_agent(self, org_id: UUID, agent_id: UUID, actor_id: UUID | None,
                            reason: str | None = None) -> ResumeReport | None:

@@ -733,12 +733,29 @@ class Runner:
                 self._grace, lambda: self._spawn(self._destroy_unexited(later, self._grace)))
 
     async def _destroy_unexited(self, sandbox_ids: list[UUID], grace: float) -> None:
+        await self._destroy_left(sandbox_ids, grace)
+
+    async def _destroy_left(self, sandbox_ids: list[UUID], grace: float) -> list[UUID]:
         left = {s: h for s in sandbox_ids if (exited := self._exited.get(s)) is not None
                 and not exited.is_set() and (h := self._handles.get(s)) is not None}
         for sandbox_id in left:
             log.warning("sandbox did not exit; destroying it", sandbox_id=str(sandbox_id),
                         grace_s=grace)
         await asyncio.gather(*(self._provider.destroy(h) for h in left.values()))
+        return list(left)
+
+    def sandboxes_of(self, session_ids: list[UUID]) -> dict[UUID, UUID]:
+        """The sandboxes this runner holds that run these sessions (session -> sandbox)."""
+        wanted = set(session_ids)
+        return {session: sandbox for sandbox, session in self._session_of.items()
+                if session in wanted and sandbox in self._handles}
+
+    async def tear_down_now(self, sandbox_ids: list[UUID], bound_s: float) -> list[UUID]:
+        """The second line: destroy these sandboxes now, those whose daemon has not exited
+        (process backend: SIGKILL of the daemon's process group; docker: `docker kill`),
+        because their daemons did not acknowledge a kill within `bound_s`. Returns those
+        destroyed; their exit and removal are recorded as any sandbox's are (`_watch`)."""
+        return await self._destroy_left(sandbox_ids, bound_s)
 
     async def discard_evicted(self, evicted: list[Any]) -> None:
         """Tear down the sandboxes a kill or a wake evicted (covey's evictWarm), where they

@@ -1,12 +1,18 @@
 """The tools an agent may call, acting inside its sandbox home. Each returns a JSON-able
-result and whether the call succeeded (the circuit breaker counts failures)."""
+result and whether the call succeeded (the circuit breaker counts failures).
+
+A stopped daemon cuts the call under way (`Toolbox.cut`): whatever the call started dies
+before the daemon says it has stopped."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +22,12 @@ import httpx
 OUTPUT_CAP = 16_000
 FILE_CAP = 64_000
 SHELL_TIMEOUT_MAX_S = 120.0
+# How long a cut may keep killing what a tool call started: a process stuck in the kernel
+# (uninterruptible I/O) ignores SIGKILL until it leaves it; the cut says so rather than
+# hold the daemon's acknowledgement for ever.
+CUT_DEADLINE_S = 1.0
+CUT_PASS_PAUSE_S = 0.002
+PR_SET_CHILD_SUBREAPER = 36
 
 SCHEMAS: list[dict[str, Any]] = [
     {"type": "function", "function": {
@@ -49,9 +61,40 @@ class ToolError(Exception):
 
 
 @dataclass
+class RunningTool:
+    """The tool call under way: its name, when it began (monotonic), and for a shell command
+    its process, which leads a session and process group of its own (pid = pgid)."""
+
+    name: str
+    started: float
+    pid: int | None = None
+
+
+@dataclass(frozen=True)
+class ToolCut:
+    """What a stop cut: the call under way (None when the daemon was between calls), how
+    long it had run, and how many processes of the daemon's tools were killed. `all_gone`:
+    no process a tool started was left alive when the cut ended."""
+
+    tool: str | None
+    pid: int | None
+    ran_ms: float | None
+    processes_killed: int
+    all_gone: bool
+
+    def payload(self) -> dict[str, Any]:
+        return {"tool": self.tool, "pid": self.pid, "pgid": self.pid,
+                "ran_ms": None if self.ran_ms is None else round(self.ran_ms, 1),
+                "processes_killed": self.processes_killed, "all_gone": self.all_gone}
+
+
+@dataclass
 class Toolbox:
     home: Path
     http: httpx.AsyncClient
+    running: RunningTool | None = None
+    # Whether any command ran: only then can a process of a tool be left to kill.
+    spawned: bool = False
 
     def _inside(self, path: Any) -> Path:
         if not isinstance(path, str) or not path:
@@ -62,6 +105,49 @@ class Toolbox:
         return resolved
 
     async def run(self, name: str, args: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        self.running = RunningTool(name, time.monotonic())
+        try:
+            return await self._run(name, args)
+        finally:
+            self.running = None
+
+    def cut_now(self) -> RunningTool | None:
+        """The first blow, at once and without a pause: SIGKILL to the running command's
+        process group. Returns the call it cut (None between calls)."""
+        running = self.running
+        if running is not None and running.pid is not None:
+            _kill_group(running.pid)
+        return running
+
+    async def cut(self, running: RunningTool | None) -> ToolCut:
+        """End every process the tools started, whatever session or group it made for
+        itself, and return what was cut. `running`: the call `cut_now` struck.
+
+        A command's process group is not all it starts: `setsid`, a double fork or a
+        daemonising tool leaves the group, and once the shell dies such a process would be
+        the init's, out of reach. The daemon is its sandbox's subreaper (`become_subreaper`),
+        so every orphan of a tool comes back to it: all of its descendants are the tools'.
+        They are killed pass after pass until none is left alive (a zombie is dead)."""
+        ran_ms = None if running is None else (time.monotonic() - running.started) * 1000
+        killed: set[int] = set()
+        all_gone = True
+        if self.spawned or running is not None:
+            deadline = time.monotonic() + CUT_DEADLINE_S
+            while alive := descendants(os.getpid()):
+                if time.monotonic() > deadline:
+                    all_gone = False
+                    break
+                for pid in alive:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+                killed.update(alive)
+                await asyncio.sleep(CUT_PASS_PAUSE_S)
+        if running is not None and running.pid is not None:
+            killed.add(running.pid)
+        return ToolCut(None if running is None else running.name,
+                       None if running is None else running.pid, ran_ms, len(killed), all_gone)
+
+    async def _run(self, name: str, args: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         try:
             if name == "shell":
                 return await self.shell(args)
@@ -92,20 +178,26 @@ class Toolbox:
         timeout = args.get("timeout_s", 30)
         if not isinstance(timeout, int | float) or not 0 < timeout <= SHELL_TIMEOUT_MAX_S:
             timeout = 30
+        self.spawned = True
         proc = await asyncio.create_subprocess_shell(
             cmd, cwd=self.home, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
             start_new_session=True)
+        if self.running is not None:
+            self.running.pid = proc.pid
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), timeout)
         except TimeoutError:
             _kill_group(proc.pid)
             await proc.wait()
+            reap_orphans()
             return {"error": f"timed out after {timeout}s"}, False
         except asyncio.CancelledError:
-            # A kill cancels the run: whatever the command started dies with it.
+            # A cancelled run: whatever the command started dies with it. (A stop has
+            # already cut it, before this task even ran again: see `cut`.)
             _kill_group(proc.pid)
             raise
+        reap_orphans()
         text = out.decode(errors="replace")
         return ({"exit_code": proc.returncode, "output": text[:OUTPUT_CAP],
                  "truncated": len(text) > OUTPUT_CAP}, proc.returncode == 0)
@@ -126,3 +218,104 @@ class Toolbox:
 def _kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
+
+
+def become_subreaper() -> bool:
+    """Make this process the subreaper of everything it starts (Linux): a tool's process
+    whose parent dies is re-parented here, not to the init, and a cut still finds it.
+    False where the kernel has no such thing."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def reap_orphans() -> None:
+    """Reap the tools' orphans that have ended (a subreaper inherits them, and nobody else
+    waits for them: a sandbox's pid limit counts zombies). Called only between calls, when
+    the one child asyncio waits for (the command's shell) has been reaped already."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def descendants(root: int) -> list[int]:
+    """The live processes below `root` (zombies are dead). Where the kernel lists each
+    thread's children (/proc/<pid>/task/<tid>/children) only the tree is read; elsewhere one
+    pass over all of /proc, which on a host of a thousand processes costs a daemon some
+    15 ms each time (a fleet kill's daemons all cut at once)."""
+    if os.path.exists(f"/proc/{root}/task/{root}/children"):
+        return _descendants_by_tree(root)
+    return _descendants_by_scan(root)
+
+
+def _state(pid: int) -> tuple[bytes, int] | None:
+    """A process's state letter and parent, from /proc/<pid>/stat; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # pid (comm) state ppid ...: comm may hold spaces and parentheses.
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return (fields[0], int(fields[1])) if len(fields) >= 2 else None
+
+
+def _alive(state: tuple[bytes, int] | None) -> bool:
+    return state is not None and state[0] not in (b"Z", b"X", b"x")
+
+
+def _descendants_by_tree(root: int) -> list[int]:
+    found: list[int] = []
+    below = [root]
+    while below:
+        pid = below.pop()
+        try:
+            threads = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in threads:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                    children = [int(c) for c in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            for child in children:
+                if _alive(_state(child)):
+                    found.append(child)
+                below.append(child)
+    return found
+
+
+def _descendants_by_scan(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    live: set[int] = set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        state = _state(int(entry))
+        if state is None:  # gone meanwhile
+            continue
+        pid = int(entry)
+        children.setdefault(state[1], []).append(pid)
+        if _alive(state):
+            live.add(pid)
+    found: list[int] = []
+    below = list(children.get(root, []))
+    while below:
+        pid = below.pop()
+        if pid in live:
+            found.append(pid)
+        below.extend(children.get(pid, []))
+    return found

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from covey.testing import SCRIPTED_DAEMON
 from covey.testing.plane import World, make_world, platform_admin_client, start_plane
 from harness.act import puppet as puppet_module
 from harness.act.puppet import Puppet, _call, _reply
@@ -80,8 +81,15 @@ async def test_a_global_flag_stops_the_agents_of_two_organisations(world: World)
 
 
 async def test_a_daemon_deaf_to_the_kill_stops_when_its_lease_is_not_renewed(
-        world: World) -> None:
-    """Fail closed: the daemon ignores `kill`; no lease is renewed under the global flag."""
+        database_url: str, tmp_path: Path) -> None:
+    """Fail closed: the daemon ignores `kill`; no lease is renewed under the global flag.
+    The runner's second line is off here (it would tear the deaf daemon down first)."""
+    async with start_plane(database_url, tmp_path, SCRIPTED_DAEMON, kill_ack_bound_ms=0
+                           ) as plane, make_world(plane) as world:
+        await _deaf_stops_by_its_lease(world)
+
+
+async def _deaf_stops_by_its_lease(world: World) -> None:
     agent = (await world.agent())["id"]
     await world.task(agent, "deaf")
     await world.wait_working(agent)

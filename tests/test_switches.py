@@ -83,7 +83,7 @@ async def test_agent_kill_is_idempotent(world: World) -> None:
     assert again.status_code == 200
     assert again.json() == {"already_killed": True, "agents_stopped": [agent["id"]],
                             "sessions_cancelled": [], "sessions_confirmed": [],
-                            "sessions_acknowledged": [],
+                            "sessions_acknowledged": [], "sessions_torn_down": [],
                             "tasks_requeued": [],
                             "evicted_sandboxes": []}
     assert await world.snapshot() == before

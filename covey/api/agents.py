@@ -85,6 +85,7 @@ def kill_out(report: KillReport) -> KillOut:
         sessions_cancelled=report.sessions_cancelled,
         sessions_confirmed=report.kill_confirmed,
         sessions_acknowledged=report.kill_acknowledged,
+        sessions_torn_down=report.kill_torn_down,
         tasks_requeued=report.tasks_requeued,
         evicted_sandboxes=report.evicted_sandboxes,
     )
@@ -364,7 +365,8 @@ async def sessions(agent_id: UUID, who: AnyRole, orch: Orch) -> list[SessionOut]
     rows = await orch.pool.fetch(
         "SELECT id, task_id, sandbox_id, node, state, started_at, ended_at, stop_layer,"
         " stop_reason, daemon_stop, daemon_stop_detail, kill_sent_at, kill_confirmed_at,"
-        " kill_confirmed_by, kill_acked_at FROM sessions WHERE agent_id=$1 ORDER BY started_at, id",
+        " kill_confirmed_by, kill_acked_at, tool_cut FROM sessions WHERE agent_id=$1"
+        " ORDER BY started_at, id",
         agent_id,
     )
     return [SessionOut(**dict(r)) for r in rows]

@@ -385,7 +385,8 @@ async def save_daemon_stop(orch: Orchestrator, link: DaemonLink, payload: dict[s
     link.stop_saved = True
     detail = payload.get("detail")
     await orch.record_daemon_stop.write(
-        link.session_id, stop, None if detail is None else str(detail)[:300])
+        link.session_id, stop, None if detail is None else str(detail)[:300],
+        _tool_cut(payload.get("cut")))
 
 
 async def save_kill_confirmation(orch: Orchestrator, link: DaemonLink,
@@ -401,6 +402,25 @@ async def save_kill_confirmation(orch: Orchestrator, link: DaemonLink,
         link.session_id, _at(link.kill_sent_ns or 0), _at(link.kill_confirmed_ns or 0),
         link.kill_confirmed_by, None if acked is None else _at(acked)), "kill confirmation")
     link.confirmation_saved = True
+
+
+def _tool_cut(value: Any) -> dict[str, Any] | None:
+    """What the daemon says its stop cut (coveyd's ToolCut), kept small and of known keys:
+    untrusted input, never a reason to refuse its last word."""
+    if not isinstance(value, dict):
+        return None
+    tool = value.get("tool")
+    cut: dict[str, Any] = {"tool": str(tool)[:64] if tool is not None else None}
+    for key in ("pid", "pgid", "processes_killed"):
+        n = value.get(key)
+        cut[key] = n if isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**31 \
+            else None
+    ran = value.get("ran_ms")
+    cut["ran_ms"] = float(ran) if isinstance(ran, int | float) and not isinstance(ran, bool) \
+        and math.isfinite(ran) and ran >= 0 else None
+    gone = value.get("all_gone")
+    cut["all_gone"] = gone if isinstance(gone, bool) else None
+    return cut
 
 
 def _daemon_ns(value: Any) -> int | None:

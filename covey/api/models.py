@@ -257,6 +257,11 @@ class KillOut(BaseModel):
         default_factory=list,
         description="Of those, the sessions whose daemon obeyed: it acknowledged the kill "
                     "(kill_ack) instead of only hanging up")
+    sessions_torn_down: list[UUID] = Field(
+        default_factory=list,
+        description="Of those confirmed, the sessions whose daemon had not acknowledged the "
+                    "kill within COVEY_KILL_ACK_BOUND_MS: the runner tore their sandboxes "
+                    "down (not obeyed)")
     tasks_requeued: list[UUID]
     evicted_sandboxes: list[UUID]
 
@@ -319,6 +324,16 @@ class SandboxOut(BaseModel):
         "home: what a kill keeps")
 
 
+class ToolCutOut(BaseModel):
+    tool: str | None
+    pid: int | None = None
+    pgid: int | None = None
+    ran_ms: float | None = None
+    processes_killed: int | None = None
+    all_gone: bool | None = Field(
+        default=None, description="No process the tools started was left alive")
+
+
 class SessionOut(BaseModel):
     id: UUID
     task_id: UUID | None
@@ -337,13 +352,19 @@ class SessionOut(BaseModel):
     kill_sent_at: datetime | None = Field(
         default=None, description="When a kill message went out to this session's daemon")
     kill_confirmed_at: datetime | None = None
-    kill_confirmed_by: Literal["kill_ack", "lease", "hang_up"] | None = Field(
+    kill_confirmed_by: Literal["kill_ack", "lease", "hang_up", "teardown"] | None = Field(
         default=None, description="How that kill was confirmed: the daemon's kill_ack "
         "(obeyed), or only its hang-up after its lease ran out (lease) or without a word "
-        "(hang_up)")
+        "(hang_up), or the runner tearing its sandbox down because it had not acknowledged "
+        "within COVEY_KILL_ACK_BOUND_MS (teardown); only kill_ack is obedience")
     kill_acked_at: datetime | None = Field(
         default=None, description="When the daemon acknowledged the kill, on its own clock "
         "(from its kill_ack; null without one): it sends no model request after this")
+    tool_cut: ToolCutOut | None = Field(
+        default=None, description="What the daemon's stop cut, as its last message said: "
+        "the tool call under way (null tool: none was), its process (pid = pgid) and how "
+        "long it had run, and how many of the tools' processes were killed before the "
+        "daemon said it stopped")
 
 
 class NotificationOut(BaseModel):

@@ -401,6 +401,10 @@ def kill_obeyed(history: History, final: FinalState,
             lines.append(f"agent {agent_id}'s daemon did not obey the kill: it never "
                          f"acknowledged it and stopped only when its kill-flag lease ran out, "
                          f"{_ms(after)} after the kill was sent ({where})")
+        elif by == "teardown" and after is not None:
+            lines.append(f"agent {agent_id}'s daemon did not obey the kill: it never "
+                         f"acknowledged it, and the runner tore its sandbox down "
+                         f"{_ms(after)} after the kill was sent ({where})")
         elif by == "hang_up" and after is not None:
             lines.append(f"agent {agent_id}'s daemon did not obey the kill: it hung up "
                          f"{_ms(after)} after the kill was sent without acknowledging it, "
