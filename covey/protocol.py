@@ -35,6 +35,7 @@ from uuid import UUID
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -119,37 +120,39 @@ def _note(notes: list[str], path: str, what: str) -> None:
         notes.append("and more")
 
 
-def _clean_string(value: str, limit: int, path: str, notes: list[str]) -> str:
+def _clean_string(value: str, limit: int | None, path: str, notes: list[str]) -> str:
     value, replaced = cleaned_text(value)
     if replaced:
         _note(notes, path, f"{replaced} NUL or lone surrogate character(s) replaced by U+FFFD")
-    if len(value) > limit:
+    if limit is not None and len(value) > limit:
         _note(notes, path, f"cut from {len(value)} to {limit} characters")
         value = value[:limit]
     return value
 
 
-def _free_text(limit: int) -> AfterValidator:
-    """Text a model may have written: cleaned, and cut at `limit`."""
-    def clean(value: str, info: ValidationInfo) -> str:
+def _free_text(limit: int | None) -> BeforeValidator:
+    """Text a model may have written: cleaned, and cut at `limit`. Before the type's own
+    check: pydantic refuses a lone surrogate as "not a unicode string" before any later
+    validator could clean it."""
+    def clean(value: Any, info: ValidationInfo) -> Any:
+        if not isinstance(value, str):
+            return value  # the type's check refuses it, naming the field
         return _clean_string(value, limit, f"payload.{info.field_name}", _notes(info))
-    return AfterValidator(clean)
+    return BeforeValidator(clean)
 
 
-def _label(value: str, info: ValidationInfo) -> str:
-    return _clean_string(value, MAX_LABEL_CHARS, f"payload.{info.field_name}", _notes(info))
-
-
-def _path(path: str, key: Any) -> str:
-    text = str(key)
+def _path(path: str, key: str) -> str:
+    """Where in the JSON, as the cleaning notes and errors say it: the key itself cleaned (a
+    note is stored too) and kept short."""
+    text = cleaned_text(key)[0]
     return f"{path}.{text[:40]}…" if len(text) > 40 else f"{path}.{text}"
 
 
 def _clean_json(value: Any, path: str, depth: int, notes: list[str]) -> Any:
     """What JSON can hold that a jsonb column cannot: NUL and lone surrogates (in strings and
-    keys), NaN and infinities (Python reads them; Postgres does not). Depth is checked here,
-    before any recursion beyond it."""
-    if depth > MAX_DETAIL_DEPTH:
+    keys), NaN and infinities (Python reads them; Postgres does not). `depth`: how many
+    arrays and objects enclose `value`, checked before any recursion beyond the limit."""
+    if isinstance(value, dict | list) and depth >= MAX_DETAIL_DEPTH:
         raise ValueError(f"nested deeper than {MAX_DETAIL_DEPTH} levels (at {path})")
     if isinstance(value, str):
         return _clean_string(value, MAX_DETAIL_STRING, path, notes)
@@ -159,8 +162,9 @@ def _clean_json(value: Any, path: str, depth: int, notes: list[str]) -> Any:
     if isinstance(value, dict):
         cleaned: dict[str, Any] = {}
         for key, item in value.items():
-            name = _clean_string(str(key), MAX_DETAIL_STRING, _path(path, key), notes)
-            cleaned[name] = _clean_json(item, _path(path, key), depth + 1, notes)
+            where = _path(path, str(key))
+            name = _clean_string(str(key), MAX_DETAIL_STRING, f"{where} (its key)", notes)
+            cleaned[name] = _clean_json(item, where, depth + 1, notes)
         return cleaned
     if isinstance(value, list):
         return [_clean_json(item, f"{path}[{i}]", depth + 1, notes)
@@ -169,14 +173,11 @@ def _clean_json(value: Any, path: str, depth: int, notes: list[str]) -> Any:
 
 
 def _passed_through(value: Any, info: ValidationInfo) -> Any:
-    notes: list[str] = []
-    cleaned = _clean_json(value, f"payload.{info.field_name}", 0, notes)
+    cleaned = _clean_json(value, f"payload.{info.field_name}", 0, _notes(info))
     size = len(json.dumps(cleaned))  # ASCII: characters are bytes
     if size > MAX_DETAIL_BYTES:
         raise ValueError(f"at most {MAX_DETAIL_BYTES} bytes of JSON once cleaned (strings cut "
                          f"at {MAX_DETAIL_STRING} characters), not {size}")
-    for note in notes:
-        _note(_notes(info), *note.split(": ", 1))
     return cleaned
 
 
@@ -189,12 +190,14 @@ def _guard_state(value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
     return value
 
 
-Label = Annotated[StrictStr, Field(max_length=MAX_LABEL_CHARS), AfterValidator(_label)]
+# Labels are written by the daemon's code, not a model: cleaned, but longer than the limit is
+# refused, not cut.
+Label = Annotated[StrictStr, Field(max_length=MAX_LABEL_CHARS), _free_text(None)]
 Result = Annotated[StrictStr, _free_text(MAX_RESULT_CHARS)]
 StopDetail = Annotated[StrictStr, _free_text(MAX_STOP_DETAIL_CHARS)]
-PassedThrough = Annotated[Any, AfterValidator(_passed_through)]
-GuardState = Annotated[dict[str, Any], AfterValidator(_passed_through),
-                       AfterValidator(_guard_state)]
+PassedThrough = Annotated[Any, BeforeValidator(_passed_through)]
+GuardState = Annotated[dict[str, Any], AfterValidator(_guard_state),
+                       BeforeValidator(_passed_through)]
 FencingToken = Annotated[int, Field(ge=0, le=MAX_BIGINT), NUMBER]
 Stop = Literal["kill", "lease", "guard", "sleep", "error"]
 
