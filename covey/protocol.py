@@ -16,9 +16,9 @@ whole. Checks spread over the handlers had missed each of these. So here:
   is the model's doing and the daemon only carries it, so refusing it would fail the task.
   Over-long free text is cut. Every cleaning and cut is reported (`Frame.cleaned`), and the
   handler records it;
-* JSON the daemon passes through (an event's detail, a guard trip's state) has its strings
-  cleaned and cut, its NaN and infinities written as strings, at most MAX_DETAIL_DEPTH levels
-  and MAX_DETAIL_BYTES once cleaned.
+* JSON the daemon passes through (an event's detail, a guard trip's state: objects both) has
+  its strings cleaned and cut, its NaN and infinities written as strings, at most
+  MAX_DETAIL_DEPTH levels and MAX_DETAIL_BYTES once cleaned.
 
 Unknown payload fields are ignored, not refused: a daemon one version ahead of its control
 plane (a rolling upgrade) must still be heard.
@@ -195,7 +195,9 @@ def _guard_state(value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
 Label = Annotated[StrictStr, Field(max_length=MAX_LABEL_CHARS), _free_text(None)]
 Result = Annotated[StrictStr, _free_text(MAX_RESULT_CHARS)]
 StopDetail = Annotated[StrictStr, _free_text(MAX_STOP_DETAIL_CHARS)]
-PassedThrough = Annotated[Any, BeforeValidator(_passed_through)]
+# An object: the recording's API answers each detail as one (a list stored here once made
+# the agent's whole recording answer 500).
+Detail = Annotated[dict[str, Any], BeforeValidator(_passed_through)]
 GuardState = Annotated[dict[str, Any], AfterValidator(_guard_state),
                        BeforeValidator(_passed_through)]
 FencingToken = Annotated[int, Field(ge=0, le=MAX_BIGINT), NUMBER]
@@ -222,7 +224,7 @@ class Heartbeat(Message):
 class Event(Message):
     kind: Label = "event"
     status: Label = "info"
-    detail: PassedThrough = Field(default_factory=dict)
+    detail: Detail = Field(default_factory=dict)
 
 
 class Cost(Message):

@@ -6,20 +6,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import websockets
-from websockets.asyncio.client import ClientConnection
 
 from covey import coveyd, protocol
 from covey.protocol import ProtocolError, read_frame
-from covey.security import new_token, token_hash
 from covey.testing.plane import World
-from harness.waiting import eventually
+from tests.daemon_channel import as_json, daemon_channel, session_settled
 
 TASK = str(uuid.uuid4())
 
@@ -65,9 +59,11 @@ def test_cost_out_of_bounds_is_refused_naming_the_field(payload: dict[str, Any],
     (json.dumps({"type": "event", "payload": [1]}), "payload"),
     (_frame("event", {"kind": "x" * 65}), "payload.kind"),
     (_frame("event", {"kind": 7}), "payload.kind"),
-    (_frame("event", {"detail": json.loads("[" * 17 + "]" * 17)}), "payload.detail"),
-    (_frame("event", {"detail": json.loads("[" * 900 + "]" * 900)}), "payload.detail"),
-    (_frame("event", {"detail": ["x" * 8_000] * 9}), "payload.detail"),  # 72 KB once cut
+    (_frame("event", {"detail": {"d": json.loads("[" * 16 + "]" * 16)}}), "payload.detail"),
+    (_frame("event", {"detail": {"d": json.loads("[" * 900 + "]" * 900)}}), "payload.detail"),
+    (_frame("event", {"detail": {"d": ["x" * 8_000] * 9}}), "payload.detail"),  # 72 KB, cut
+    (_frame("event", {"detail": ["not", "an", "object"]}), "payload.detail"),
+    (_frame("event", {"detail": None}), "payload.detail"),
     (_frame("heartbeat", {"busy": "yes"}), "payload.busy"),
     (_frame("task_done", {"task_id": "nope", "fencing_token": 1}), "payload.task_id"),
     (_frame("task_done", {"task_id": TASK, "fencing_token": 2**63}), "payload.fencing_token"),
@@ -79,7 +75,7 @@ def test_cost_out_of_bounds_is_refused_naming_the_field(payload: dict[str, Any],
                         "trip": {"layer": "loop", "steps": 2**40}}), "payload.trip"),
     (_frame("stopping", {"stop": "vanish"}), "payload.stop"),
     (_frame("stopping", {}), "payload.stop"),
-    (_frame("event", {"detail": "\x00" * (3 << 20)}), "frame"),  # 18 MB escaped
+    (_frame("event", {"detail": {"d": "\x00" * (3 << 20)}}), "frame"),  # 18 MB escaped
     (_frame("task_done", {"task_id": TASK, "fencing_token": 1, "result": "é" * (2 << 20)}),
      "frame"),
 ])
@@ -133,75 +129,6 @@ def test_the_daemon_cuts_results_where_the_plane_does() -> None:
     read_frame(worst)
 
 
-# --- over a real channel ---------------------------------------------------------------------
-
-@dataclass
-class Channel:
-    ws: ClientConnection
-    agent_id: uuid.UUID
-    sandbox_id: uuid.UUID
-    task: dict[str, Any]  # the assign_task payload
-
-    async def send(self, kind: str, payload: dict[str, Any]) -> None:
-        await self.ws.send(json.dumps({"type": kind, "payload": payload}))
-
-    async def next(self, *kinds: str) -> dict[str, Any]:
-        """The next frame of one of these types (leases and the like skipped)."""
-        while True:
-            message: dict[str, Any] = json.loads(await self.ws.recv())
-            if message["type"] in kinds:
-                return message
-
-
-async def hold_a_task(world: World, bodies: tuple[str, ...] = ("hold",)) -> tuple[
-        dict[str, str], str, list[uuid.UUID]]:
-    """An agent with these tasks open and a sandbox whose token is known, as a wake writes
-    them (no process started): a daemon that connects with it takes up the first task."""
-    agent = await world.agent()
-    agent_id = uuid.UUID(agent["id"])
-    token, sandbox_id = new_token("cvd"), uuid.uuid4()
-    tasks = [uuid.uuid4() for _ in bodies]
-    for priority, (task_id, body) in enumerate(zip(tasks, bodies, strict=True)):
-        await world.db.execute(
-            "INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin, priority)"
-            " VALUES ($1, $2, $3, 't', $4, 'api', $5)", task_id, world.org.id, agent_id, body,
-            -priority)
-    await world.db.execute(
-        "INSERT INTO sandboxes (id, agent_id, backend, daemon_token_hash, token_expires_at)"
-        " VALUES ($1, $2, 'process', $3, now() + interval '1 minute')",
-        sandbox_id, agent_id, token_hash(token))
-    await world.db.execute(
-        "INSERT INTO sessions (id, agent_id, sandbox_id, node) VALUES ($1, $2, $3, 'test')",
-        uuid.uuid4(), agent_id, sandbox_id)
-    return {"agent_id": str(agent_id), "sandbox_id": str(sandbox_id)}, token, tasks
-
-
-@asynccontextmanager
-async def daemon_channel(world: World, bodies: tuple[str, ...] = ("hold",)
-                         ) -> AsyncIterator[Channel]:
-    ids, token, _ = await hold_a_task(world, bodies)
-    async with websockets.connect(world.plane.ws_url, max_size=None,
-                                  additional_headers={"Authorization": f"Bearer {token}"}
-                                  ) as ws:
-        await ws.send(json.dumps({"type": "ready", "payload": ids}))
-        channel = Channel(ws, uuid.UUID(ids["agent_id"]), uuid.UUID(ids["sandbox_id"]), {})
-        channel.task = (await channel.next("assign_task"))["payload"]
-        yield channel
-
-
-def _json(value: Any) -> Any:
-    return json.loads(value) if isinstance(value, str) else value
-
-
-async def session_settled(world: World, sandbox_id: uuid.UUID) -> None:
-    """The channel has ended: its session must not stay live (it did, until the sweep)."""
-    async def settled() -> bool:
-        state = await world.db.fetchval("SELECT state FROM sessions WHERE sandbox_id=$1",
-                                        sandbox_id)
-        return state not in ("starting", "running")
-    await eventually(settled, 5, "a session stayed live after its daemon's channel ended")
-
-
 async def test_a_models_nul_never_fails_its_task(world: World) -> None:
     """With the real coveyd, a tool call `write_file{"content": "A\\u0000B"}` crashed the
     handler six times and failed its task. Now its event and its result are cleaned, the
@@ -223,8 +150,8 @@ async def test_a_models_nul_never_fails_its_task(world: World) -> None:
     detail = await world.db.fetchval(
         "SELECT detail FROM recording_events WHERE agent_id=$1 AND kind='tool'",
         channel.agent_id)
-    assert _json(detail)["args"]["content"] == "A\ufffdB\ufffd"
-    cleaned = [_json(r["detail"]) for r in await world.db.fetch(
+    assert as_json(detail)["args"]["content"] == "A\ufffdB\ufffd"
+    cleaned = [as_json(r["detail"]) for r in await world.db.fetch(
         "SELECT detail FROM recording_events WHERE agent_id=$1 AND kind='protocol'"
         " AND status='cleaned' ORDER BY id", channel.agent_id)]
     assert [c["type"] for c in cleaned] == ["event", "task_done"], cleaned
@@ -254,7 +181,8 @@ async def test_bad_frames_are_answered_and_the_channel_goes_on(world: World) -> 
             answer = (await channel.next("error"))["payload"]
             assert answer["field"] == field, (kind, answer)
         # Cleaned, not refused: nothing to answer; the channel still works after all that.
-        await channel.send("event", {"kind": "n\x00te", "status": "\ud800", "detail": "\x00"})
+        await channel.send("event", {"kind": "n\x00te", "status": "\ud800",
+                                     "detail": {"\x00": "\x00"}})
         await channel.send("stopping", {"stop": "error", "detail": "x\x00" * 1000})
         await channel.send("task_done", {**ids, "result": "done"})
         last = await channel.next("sleep", "error")
@@ -262,8 +190,8 @@ async def test_bad_frames_are_answered_and_the_channel_goes_on(world: World) -> 
     row = await world.db.fetchrow(
         "SELECT kind, status, detail FROM recording_events WHERE agent_id=$1"
         " AND kind LIKE 'n%'", channel.agent_id)
-    assert (row["kind"], row["status"], _json(row["detail"])) == (
-        "n\ufffdte", "\ufffd", "\ufffd")
+    assert (row["kind"], row["status"], as_json(row["detail"])) == (
+        "n\ufffdte", "\ufffd", {"\ufffd": "\ufffd"})
     stop = await world.db.fetchrow(
         "SELECT daemon_stop, daemon_stop_detail FROM sessions WHERE sandbox_id=$1",
         channel.sandbox_id)
