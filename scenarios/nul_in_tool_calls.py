@@ -18,11 +18,14 @@ from harness.record.gameday import GameDay
 
 NUL = "\u0000"
 # The tool's argument (its event's detail), the tool's output (back to the model), the file
-# read back (the same), and the answer (the task's result): a NUL in each.
+# read back (the same), a path and a command no system call takes (the tool's error, not the
+# daemon's), and the answer (the task's result): a NUL in each.
 NUL_WRITER = {"name": "nul_writer", "steps": [
     {"write_file": {"path": "nul.txt", "content": f"A{NUL}B"}},
     {"shell": "printf 'C\\000D'; cat nul.txt"},
     {"read_file": "nul.txt"},
+    {"read_file": f"nul{NUL}.txt"},
+    {"shell": f"echo {NUL}"},
     {"finish": f"wrote A{NUL}B"},
 ]}
 AGENTS, TASKS_EACH = 3, 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from covey import coveyd, protocol
 from covey.protocol import ProtocolError, read_frame
 from covey.testing.plane import World
+from covey.tools import Toolbox
 from tests.daemon_channel import as_json, daemon_channel, session_settled
 
 TASK = str(uuid.uuid4())
@@ -118,6 +120,19 @@ def test_unknown_fields_are_ignored_and_defaults_hold() -> None:
     assert frame.cleaned == ()
     ack = read_frame(_frame("kill_ack", {"acked_ns": "whenever", "exit_code": 3}))
     assert isinstance(ack.message, protocol.KillAck) and ack.message.stop == "kill"
+
+
+@pytest.mark.parametrize(("tool", "args"), [
+    ("shell", {"cmd": "echo a\x00b"}),
+    ("write_file", {"path": "a\x00b", "content": "x"}),
+    ("write_file", {"path": "ok.txt", "content": "x\ud800"}),
+    ("read_file", {"path": "a\x00"}),
+])
+async def test_a_models_nul_in_a_tool_call_is_the_tools_error(tool: str, args: dict[str, Any],
+                                                              tmp_path: Path) -> None:
+    """Not the daemon's: that escaped its run, lost it, and failed the task."""
+    result, ok = await Toolbox(tmp_path, None).run(tool, args)  # type: ignore[arg-type]
+    assert not ok and result["error"], result
 
 
 def test_the_daemon_cuts_results_where_the_plane_does() -> None:
