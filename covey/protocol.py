@@ -18,7 +18,8 @@ whole. Checks spread over the handlers had missed each of these. So here:
   handler records it;
 * JSON the daemon passes through (an event's detail, a guard trip's state: objects both) has
   its strings cleaned and cut, its NaN and infinities written as strings, at most
-  MAX_DETAIL_DEPTH levels and MAX_DETAIL_BYTES once cleaned.
+  MAX_DETAIL_DEPTH levels and MAX_DETAIL_BYTES once cleaned (a trip's state beyond that is
+  cut to its summary, not refused: a refused trip report would be a trip lost).
 
 Unknown payload fields are ignored, not refused: a daemon one version ahead of its control
 plane (a rolling upgrade) must still be heard.
@@ -181,6 +182,28 @@ def _passed_through(value: Any, info: ValidationInfo) -> Any:
     return cleaned
 
 
+# What a human needs of a guard trip when its whole state is too large or too deep to keep.
+TRIP_SUMMARY = ("layer", "reason", "cost_usd", "tokens", "steps", "tool_calls")
+
+
+def _trip_kept(value: Any, info: ValidationInfo) -> Any:
+    """A guard trip's state, cleaned; too large or too deep, its summary. Never refused for
+    its size: a refused trip report is a trip lost (its agent neither held nor alerted on),
+    and its last actions carry the model's arguments, as large as the model made them."""
+    if not isinstance(value, dict):
+        return value  # the type's check refuses it
+    notes = _notes(info)
+    before = len(notes)
+    try:
+        return _passed_through(value, info)
+    except ValueError as whole:
+        del notes[before:]  # the notes of what is not kept
+        summary = {k: value[k] for k in TRIP_SUMMARY if k in value}
+        kept = _passed_through(summary, info)
+        _note(_notes(info), f"payload.{info.field_name}", f"cut to its summary ({whole})")
+        return kept
+
+
 def _guard_state(value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
     if value.get("layer") not in LAYER_NAMES:
         raise ValueError(f"trip.layer must be one of {', '.join(LAYER_NAMES)}")
@@ -199,7 +222,7 @@ StopDetail = Annotated[StrictStr, _free_text(MAX_STOP_DETAIL_CHARS)]
 # the agent's whole recording answer 500).
 Detail = Annotated[dict[str, Any], BeforeValidator(_passed_through)]
 GuardState = Annotated[dict[str, Any], AfterValidator(_guard_state),
-                       BeforeValidator(_passed_through)]
+                       BeforeValidator(_trip_kept)]
 FencingToken = Annotated[int, Field(ge=0, le=MAX_BIGINT), NUMBER]
 Stop = Literal["kill", "lease", "guard", "sleep", "error"]
 

@@ -44,11 +44,8 @@ async def hold_a_task(world: World, bodies: tuple[str, ...] = ("hold",)) -> tupl
     agent_id = uuid.UUID(agent["id"])
     token, sandbox_id = new_token("cvd"), uuid.uuid4()
     tasks = [uuid.uuid4() for _ in bodies]
-    for priority, (task_id, body) in enumerate(zip(tasks, bodies, strict=True)):
-        await world.db.execute(
-            "INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin, priority)"
-            " VALUES ($1, $2, $3, 't', $4, 'api', $5)", task_id, world.org.id, agent_id, body,
-            -priority)
+    # The live session first: open work with none would be woken by the scheduler, whose
+    # session would then take the one live place.
     await world.db.execute(
         "INSERT INTO sandboxes (id, agent_id, backend, daemon_token_hash, token_expires_at)"
         " VALUES ($1, $2, 'process', $3, now() + interval '1 minute')",
@@ -56,6 +53,11 @@ async def hold_a_task(world: World, bodies: tuple[str, ...] = ("hold",)) -> tupl
     await world.db.execute(
         "INSERT INTO sessions (id, agent_id, sandbox_id, node) VALUES ($1, $2, $3, 'test')",
         uuid.uuid4(), agent_id, sandbox_id)
+    for priority, (task_id, body) in enumerate(zip(tasks, bodies, strict=True)):
+        await world.db.execute(
+            "INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin, priority)"
+            " VALUES ($1, $2, $3, 't', $4, 'api', $5)", task_id, world.org.id, agent_id, body,
+            -priority)
     return {"agent_id": str(agent_id), "sandbox_id": str(sandbox_id)}, token, tasks
 
 

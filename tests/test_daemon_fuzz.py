@@ -113,7 +113,7 @@ BAD_TRIP = st.one_of(
     st.fixed_dictionaries({"layer": st.sampled_from(list(LAYER_NAMES)),
                            "steps": st.one_of(st.integers(max_value=-1),
                                               st.integers(min_value=2**31), text(4))}),
-    st.integers(MAX_DETAIL_DEPTH, 60).map(lambda d: {"layer": "loop", "state": nested(d)}))
+    st.integers(MAX_DETAIL_DEPTH, 60).map(lambda d: {"layer": "loop", "steps": nested(d)}))
 
 
 @dataclass(frozen=True)
@@ -177,6 +177,12 @@ WELL_FORMED = st.one_of(
         UUIDS, FENCING, text(300), st.one_of(st.none(), st.fixed_dictionaries(
             {"layer": st.sampled_from(list(LAYER_NAMES)), "steps": st.integers(0, 1000),
              "reason": text(100)}, optional={"last": JSON}))),
+    # A trip's state too deep or too large to keep: kept as its summary, never refused.
+    st.builds(lambda t, f, last: rejected("blocked", {
+        "task_id": t, "fencing_token": f, "trip": {"layer": "loop", "steps": 4,
+                                                   "reason": "\x00", "last": last}}),
+        UUIDS, FENCING, st.one_of(st.integers(MAX_DETAIL_DEPTH, 60).map(nested),
+                                  st.integers(9, 20).map(lambda n: ["\x00" * 9000] * n))),
 )
 
 # One field of a message wrong (or missing), the rest well formed.

@@ -106,6 +106,15 @@ def test_a_models_text_is_cleaned_and_the_cleaning_reported() -> None:
         "payload.detail.args.content", "payload.detail.args.k\ufffdey (its key)",
         "payload.detail.args.k\ufffdey[0]", "payload.detail.big"]
 
+    # A trip's last actions carry the model's arguments: too large, it is kept as a summary.
+    state = {"layer": "loop", "reason": "same call 4 times", "steps": 4, "cost_usd": 0.01,
+             "last_actions": [{"tool": "write_file", "args": {"content": "x\x00" * 9000}}] * 10}
+    trip = read_frame(_frame("blocked", {"task_id": TASK, "fencing_token": 3, "trip": state}))
+    assert isinstance(trip.message, protocol.Blocked)
+    assert trip.message.trip == {"layer": "loop", "reason": "same call 4 times", "steps": 4,
+                                 "cost_usd": 0.01}
+    assert trip.cleaned[-1].startswith("payload.trip: cut to its summary (at most 65536"), trip
+
     long = read_frame(_frame("task_done", {"task_id": TASK, "fencing_token": 3,
                                            "result": "r" * 150_000}))
     assert isinstance(long.message, protocol.TaskDone)
