@@ -78,8 +78,9 @@ async def _receive_text(ws: WebSocket) -> str:
     return str(text)
 
 
-async def _reject(ws: WebSocket, code: int, answer: dict[str, Any]) -> None:
-    await ws.send_text(json.dumps({"type": "error", "payload": answer}))
+async def _reject(ws: WebSocket, code: int, error: str, hint: str, **more: Any) -> None:
+    await ws.send_text(json.dumps({"type": "error", "payload": {
+        "error": error, "hint": hint, **more}}))
     await ws.close(code)
 
 
@@ -125,9 +126,8 @@ async def daemon_ws(ws: WebSocket) -> None:
     await ws.accept()
     token = _token(ws)
     if not token:
-        await _reject(ws, CLOSE_UNAUTHORIZED, {
-            "error": "No daemon token",
-            "hint": "Send 'Authorization: Bearer <COVEY_DAEMON_TOKEN>'."})
+        await _reject(ws, CLOSE_UNAUTHORIZED, "No daemon token",
+                      "Send 'Authorization: Bearer <COVEY_DAEMON_TOKEN>'.")
         return
     try:
         hello = read_frame(await _receive_text(ws)).message
@@ -137,14 +137,13 @@ async def daemon_ws(ws: WebSocket) -> None:
         agent_id, sandbox_id = hello.agent_id, hello.sandbox_id
     except ProtocolError as exc:
         with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
-            await _reject(ws, CLOSE_PROTOCOL, exc.answer())
+            await _reject(ws, CLOSE_PROTOCOL, **exc.answer())
         return
     except (WebSocketDisconnect, WebSocketDisconnected):
         return
     refused = await _consume_token(orch, token, agent_id, sandbox_id)
     if refused is not None:
-        code, error, hint = refused
-        await _reject(ws, code, {"error": error, "hint": hint})
+        await _reject(ws, *refused)
         return
     # A reused warm sandbox has had a session per wake: the daemon speaks for the newest.
     # (Picking whichever row came first once killed a fresh daemon for its sandbox's old,
@@ -154,8 +153,7 @@ async def daemon_ws(ws: WebSocket) -> None:
         sandbox_id,
     )
     if session is None:  # the wake writes both rows in one transaction
-        await _reject(ws, CLOSE_FORBIDDEN, {"error": "Sandbox has no session",
-                                            "hint": "Start it through a wake."})
+        await _reject(ws, CLOSE_FORBIDDEN, "Sandbox has no session", "Start it through a wake.")
         return
     link = DaemonLink(session["id"], agent_id, ws)
     orch.hub.attach(link)
@@ -167,7 +165,7 @@ async def daemon_ws(ws: WebSocket) -> None:
     except FatalProtocolError as exc:
         why = f"protocol error: {exc.error}"
         with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
-            await _reject(ws, CLOSE_PROTOCOL, exc.answer())
+            await _reject(ws, CLOSE_PROTOCOL, **exc.answer())
     except UNREACHABLE as exc:
         # A message whose write met a database outage (a game day restarted Postgres under
         # a working fleet): the handler once died with it, and the session stayed `running`
@@ -175,10 +173,9 @@ async def daemon_ws(ws: WebSocket) -> None:
         # daemon stops by its lease, and its work goes back to the backlog below.
         why = f"database unreachable: {type(exc).__name__}"
         with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
-            await _reject(ws, CLOSE_UNAVAILABLE, {
-                "error": "Database unreachable",
-                "hint": "The control plane cannot record this daemon's messages until its "
-                        "database is back; the agent is woken again then."})
+            await _reject(ws, CLOSE_UNAVAILABLE, "Database unreachable",
+                          "The control plane cannot record this daemon's messages until its "
+                          "database is back; the agent is woken again then.")
     except Exception as exc:
         # A bug of ours in handling a frame the boundary let through: the daemon is lost (its
         # work back in the backlog, counted), never a crashed handler that leaves its session
@@ -186,9 +183,9 @@ async def daemon_ws(ws: WebSocket) -> None:
         log.exception("daemon message failed", session_id=str(link.session_id))
         why = f"internal error: {type(exc).__name__}"
         with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
-            await _reject(ws, CLOSE_INTERNAL, {
-                "error": "Internal error", "hint": "This is a bug in covey; the control "
-                "plane's log has the trace. The task goes back to the backlog."})
+            await _reject(ws, CLOSE_INTERNAL, "Internal error",
+                          "This is a bug in covey; the control plane's log has the trace. "
+                          "The task goes back to the backlog.")
     finally:
         orch.hub.detach(link.session_id)
     # Gone without `sleep` or `kill`, the daemon is lost and its work goes back to the
