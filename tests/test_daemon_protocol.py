@@ -4,6 +4,7 @@ crashed handler; a model's NUL is cleaned, recorded, and never fails its task.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from pathlib import Path
@@ -222,4 +223,22 @@ async def test_bad_frames_are_answered_and_the_channel_goes_on(world: World) -> 
     assert stop["daemon_stop"] == "error"
     assert stop["daemon_stop_detail"] == ("x\ufffd" * 150), stop
     assert await world.task_state(channel.task["task_id"]) == "done"
+    await session_settled(world, channel.sandbox_id)
+
+
+async def test_a_kill_ack_counts_whatever_its_payload(world: World) -> None:
+    """A daemon that obeyed its kill has obeyed, even if the rest of its last word is out of
+    protocol: the kill's answer lists it as acknowledged, and its bad field is answered."""
+    async with daemon_channel(world) as channel:
+        killing = asyncio.create_task(
+            world.security.post(f"/api/v1/agents/{channel.agent_id}/kill"))
+        await channel.next("kill")
+        await channel.send("kill_ack", {"stop": "obeyed\x00", "acked_ns": -5})
+        answer = (await channel.next("error"))["payload"]
+        assert (answer["field"], answer["type"]) == ("payload.stop", "kill_ack"), answer
+        r = await killing
+        assert r.status_code == 200, r.text
+    session_id = await world.db.fetchval("SELECT id FROM sessions WHERE sandbox_id=$1",
+                                         channel.sandbox_id)
+    assert r.json()["sessions_acknowledged"] == [str(session_id)], r.text
     await session_settled(world, channel.sandbox_id)
