@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 from uuid import UUID
 
 from pydantic import (
@@ -67,14 +67,13 @@ MAX_DETAIL_BYTES = 64 << 10
 # One model call's cost. Postgres's numeric(12,6) ends below a million; a call dearer than
 # this is a broken price table, and the guard has long tripped on its budget.
 MAX_COST_USD = 10_000.0
-# One model call's tokens: cost_entries.tokens is a Postgres integer.
-MAX_TOKENS = 2**31 - 1
-# Fencing tokens come from a bigint sequence; a guard trip's steps go to an integer column.
+# Postgres's integer (one call's tokens, a trip's steps) and bigint (fencing tokens).
+MAX_INTEGER = 2**31 - 1
 MAX_BIGINT = 2**63 - 1
-MAX_STEPS = 2**31 - 1
 # Why a daemon says it stopped (coveyd.Stop): an obeyed kill, a lapsed lease, its own guard,
 # a sleep, an error.
-DAEMON_STOPS = ("kill", "lease", "guard", "sleep", "error")
+Stop = Literal["kill", "lease", "guard", "sleep", "error"]
+DAEMON_STOPS: tuple[str, ...] = get_args(Stop)
 # How many cleanings one frame reports: a list of ten thousand NUL-bearing strings is one
 # cleaning story, not ten thousand.
 MAX_CLEANING_NOTES = 20
@@ -208,8 +207,8 @@ def _guard_state(value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
     if value.get("layer") not in LAYER_NAMES:
         raise ValueError(f"trip.layer must be one of {', '.join(LAYER_NAMES)}")
     steps = value.get("steps", 0)
-    if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps <= MAX_STEPS:
-        raise ValueError(f"trip.steps must be an integer from 0 to {MAX_STEPS}")
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps <= MAX_INTEGER:
+        raise ValueError(f"trip.steps must be an integer from 0 to {MAX_INTEGER}")
     return value
 
 
@@ -224,7 +223,6 @@ Detail = Annotated[dict[str, Any], BeforeValidator(_passed_through)]
 GuardState = Annotated[dict[str, Any], AfterValidator(_guard_state),
                        BeforeValidator(_trip_kept)]
 FencingToken = Annotated[int, Field(ge=0, le=MAX_BIGINT), NUMBER]
-Stop = Literal["kill", "lease", "guard", "sleep", "error"]
 
 
 # --- the messages ---------------------------------------------------------------------------
@@ -237,7 +235,7 @@ class Ready(Message):
     agent_id: UUID
     sandbox_id: UUID
     version: Label | None = None
-    pid: Annotated[int, Field(ge=0, le=MAX_STEPS), NUMBER] | None = None
+    pid: Annotated[int, Field(ge=0, le=MAX_INTEGER), NUMBER] | None = None
 
 
 class Heartbeat(Message):
@@ -252,7 +250,7 @@ class Event(Message):
 
 class Cost(Message):
     usd: Annotated[float, Field(ge=0, le=MAX_COST_USD, allow_inf_nan=False), NUMBER]
-    tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS), NUMBER] = 0
+    tokens: Annotated[int, Field(ge=0, le=MAX_INTEGER), NUMBER] = 0
 
 
 class TaskDone(Message):
