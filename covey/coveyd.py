@@ -54,6 +54,10 @@ LAST_WORD_S = 0.2
 # their host's (Docker gives them no clock of their own), so the harness can set both beside
 # the control plane's times; across hosts they are as close as the hosts' clocks.
 SENT_AT_HEADER = "X-Covey-Sent-At-Ns"
+# A task's result is cut here as the control plane cuts it (covey.protocol.MAX_RESULT_CHARS,
+# not imported: the daemon does without the plane's modules): a model's longer answer would
+# otherwise pass the protocol's frame limit, and a refused result leaves its task in progress.
+MAX_RESULT_CHARS = 100_000
 
 # USD per million tokens (prompt, completion). A model missing here trips the budget layer.
 DEFAULT_PRICES: dict[str, tuple[float, float]] = {
@@ -294,7 +298,8 @@ class Daemon:
             await self.send("blocked", {**ids, "reason": outcome.trip.reason,
                                         "trip": self.guard_state})
         else:
-            await self.send("task_done", {**ids, "result": outcome.result or ""})
+            await self.send("task_done", {**ids,
+                                          "result": (outcome.result or "")[:MAX_RESULT_CHARS]})
 
     def make_guard(self) -> Guard:
         limits = dict(self.config.get("guard") or {})

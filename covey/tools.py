@@ -167,7 +167,10 @@ class Toolbox:
                 return {"written": len(content)}, True
             if name == "http_request":
                 return await self.http_request(args)
-        except ToolError as exc:
+        except (ToolError, ValueError, UnicodeError) as exc:
+            # ValueError, UnicodeError: a model's NUL in a path or a command ("embedded null
+            # byte"), its lone surrogate in a file's content. The model hears it as the tool's
+            # error; it once escaped as the daemon's, and failed the task after five requeues.
             return {"error": str(exc)}, False
         return {"error": f"unknown tool {name!r}"}, False
 

@@ -2,6 +2,7 @@
 
 Envelope: {"type": ..., "payload": {...}}. The daemon dials out with its sandbox's
 short-lived, single-use token and must first say `ready` naming its agent and sandbox.
+Every frame is read by covey/protocol.py, against its schema, before it is handled here.
 """
 
 from __future__ import annotations
@@ -21,6 +22,21 @@ from starlette.websockets import WebSocketDisconnected, WebSocketState
 from covey.db import UNREACHABLE, through_outage
 from covey.hub import DaemonLink, send_to
 from covey.orchestrator import LAYER_NAMES, GuardTripReport, Orchestrator, record
+from covey.protocol import (
+    MESSAGES,
+    Blocked,
+    Cost,
+    Event,
+    FatalProtocolError,
+    Frame,
+    Heartbeat,
+    KillAck,
+    ProtocolError,
+    Ready,
+    Stopping,
+    TaskDone,
+    read_frame,
+)
 from covey.security import token_hash
 
 log = structlog.get_logger(__name__)
@@ -30,23 +46,14 @@ CLOSE_UNAUTHORIZED = 4401
 CLOSE_FORBIDDEN = 4403
 CLOSE_PROTOCOL = 4400
 CLOSE_UNAVAILABLE = 4503
-# Why a daemon says it stopped (coveyd.Stop): an obeyed kill, a lapsed lease, its own guard,
-# a sleep, an error.
-DAEMON_STOPS = ("kill", "lease", "guard", "sleep", "error")
+CLOSE_INTERNAL = 1011
+# The largest a session's cost can be: sessions.cost_usd is numeric(12,6). Each cost message
+# is bounded (covey.protocol.MAX_COST_USD); their sum is held here, not refused: the spend was
+# real, and the guard, not this column, is what stops a runaway.
+MAX_SESSION_COST_USD = "999999.999999"
 # What a daemon is configured with when it takes up a session.
 SESSION_CONFIG = ("SELECT s.id, s.state, a.org_id, a.model, a.budget_usd::float8 AS budget_usd,"
                   " a.max_turns, a.guard FROM sessions s JOIN agents a ON a.id=s.agent_id")
-
-
-class ProtocolError(Exception):
-    def __init__(self, error: str, hint: str) -> None:
-        super().__init__(error)
-        self.error = error
-        self.hint = hint
-
-
-class FatalProtocolError(ProtocolError):
-    """Out of protocol in a way that ends the conversation: the daemon is lost at once."""
 
 
 async def _receive_text(ws: WebSocket) -> str:
@@ -72,29 +79,9 @@ async def _receive_text(ws: WebSocket) -> str:
     return str(text)
 
 
-def _uuid(payload: dict[str, Any], key: str) -> UUID:
-    try:
-        return UUID(str(payload[key]))
-    except (KeyError, ValueError):
-        raise ProtocolError(f"payload.{key} missing or not a UUID", f"send {key} as a UUID string"
-                            ) from None
-
-
-def parse(text: str) -> tuple[str, dict[str, Any]]:
-    try:
-        message = json.loads(text)
-    except ValueError:
-        raise ProtocolError("Malformed JSON", 'send {"type": ..., "payload": {...}}') from None
-    if not isinstance(message, dict) or not isinstance(message.get("type"), str):
-        raise ProtocolError("Message without a type", 'send {"type": ..., "payload": {...}}')
-    payload = message.get("payload", {})
-    if not isinstance(payload, dict):
-        raise ProtocolError("payload must be an object", 'send "payload": {...}')
-    return message["type"], payload
-
-
-async def _reject(ws: WebSocket, code: int, error: str, hint: str) -> None:
-    await ws.send_text(json.dumps({"type": "error", "payload": {"error": error, "hint": hint}}))
+async def _reject(ws: WebSocket, code: int, error: str, hint: str, **more: Any) -> None:
+    await ws.send_text(json.dumps({"type": "error", "payload": {
+        "error": error, "hint": hint, **more}}))
     await ws.close(code)
 
 
@@ -144,14 +131,14 @@ async def daemon_ws(ws: WebSocket) -> None:
                       "Send 'Authorization: Bearer <COVEY_DAEMON_TOKEN>'.")
         return
     try:
-        kind, payload = parse(await _receive_text(ws))
-        if kind != "ready":
+        hello = read_frame(await _receive_text(ws)).message
+        if not isinstance(hello, Ready):
             raise ProtocolError("First message must be ready", "send ready with agent_id and "
-                                "sandbox_id")
-        agent_id, sandbox_id = _uuid(payload, "agent_id"), _uuid(payload, "sandbox_id")
+                                "sandbox_id", "type")
+        agent_id, sandbox_id = hello.agent_id, hello.sandbox_id
     except ProtocolError as exc:
         with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
-            await _reject(ws, CLOSE_PROTOCOL, exc.error, exc.hint)
+            await _reject(ws, CLOSE_PROTOCOL, **exc.answer())
         return
     except (WebSocketDisconnect, WebSocketDisconnected):
         return
@@ -179,7 +166,7 @@ async def daemon_ws(ws: WebSocket) -> None:
     except FatalProtocolError as exc:
         why = f"protocol error: {exc.error}"
         with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
-            await _reject(ws, CLOSE_PROTOCOL, exc.error, exc.hint)
+            await _reject(ws, CLOSE_PROTOCOL, **exc.answer())
     except UNREACHABLE as exc:
         # A message whose write met a database outage (a game day restarted Postgres under
         # a working fleet): the handler once died with it, and the session stayed `running`
@@ -190,6 +177,16 @@ async def daemon_ws(ws: WebSocket) -> None:
             await _reject(ws, CLOSE_UNAVAILABLE, "Database unreachable",
                           "The control plane cannot record this daemon's messages until its "
                           "database is back; the agent is woken again then.")
+    except Exception as exc:
+        # A bug of ours in handling a frame the boundary let through: the daemon is lost (its
+        # work back in the backlog, counted), never a crashed handler that leaves its session
+        # running until the stale sweep.
+        log.exception("daemon message failed", session_id=str(link.session_id))
+        why = f"internal error: {type(exc).__name__}"
+        with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
+            await _reject(ws, CLOSE_INTERNAL, "Internal error",
+                          "This is a bug in covey; the control plane's log has the trace. "
+                          "The task goes back to the backlog.")
     finally:
         orch.hub.detach(link.session_id)
     # Gone without `sleep` or `kill`, the daemon is lost and its work goes back to the
@@ -198,7 +195,7 @@ async def daemon_ws(ws: WebSocket) -> None:
     await save_kill_confirmation(orch, link)
 
 
-Heard = tuple[str, dict[str, Any]] | ProtocolError
+Heard = Frame | ProtocolError
 
 
 async def _serve(orch: Orchestrator, ws: WebSocket, link: DaemonLink,
@@ -224,15 +221,10 @@ async def _serve(orch: Orchestrator, ws: WebSocket, link: DaemonLink,
                         receiving.exception() is None):
                     _heard_ack(orch, link, receiving.result())  # the kill's answer counts it
                 break
-            text = receiving.result()
-            try:
-                kind, payload = parse(text)
-            except ProtocolError as exc:
-                heard.put_nowait(exc)
-                continue
-            if kind == "kill_ack":
+            frame = _hear(receiving.result())
+            if frame.kind == "kill_ack":  # obeyed, whatever else its payload says
                 orch.hub.acknowledge_kill(link.session_id)
-            heard.put_nowait((kind, payload))
+            heard.put_nowait(frame)
     except asyncio.CancelledError:
         handling.cancel()
         raise
@@ -250,9 +242,16 @@ async def _serve(orch: Orchestrator, ws: WebSocket, link: DaemonLink,
 def _heard_ack(orch: Orchestrator, link: DaemonLink, text: str) -> None:
     """A frame read just as the channel ends: if it is the daemon's `kill_ack`, the kill is
     acknowledged (not merely hung up on), as it would have been a moment earlier."""
-    with contextlib.suppress(ProtocolError):
-        if parse(text)[0] == "kill_ack":
-            orch.hub.acknowledge_kill(link.session_id)
+    if _hear(text).kind == "kill_ack":
+        orch.hub.acknowledge_kill(link.session_id)
+
+
+def _hear(text: str) -> Heard:
+    """The frame as the boundary reads it: checked, or refused with what is wrong."""
+    try:
+        return read_frame(text)
+    except ProtocolError as exc:
+        return exc
 
 
 async def _handle_in_order(orch: Orchestrator, link: DaemonLink,
@@ -261,9 +260,9 @@ async def _handle_in_order(orch: Orchestrator, link: DaemonLink,
         try:
             if isinstance(message, ProtocolError):
                 raise message
-            await _handle(orch, link, *message)
+            await _handle(orch, link, message.kind, message)
         except ProtocolError as exc:
-            await send_to(link, "error", {"error": exc.error, "hint": exc.hint})
+            await send_to(link, "error", exc.answer())
 
 
 async def hand_over(orch: Orchestrator, link: DaemonLink) -> None:
@@ -306,87 +305,83 @@ async def _assign_next(orch: Orchestrator, link: DaemonLink) -> None:
         await send_to(link, "sleep", {})
 
 
-async def _handle(orch: Orchestrator, link: DaemonLink, kind: str, payload: dict[str, Any]
-                  ) -> None:
-    if kind == "heartbeat":
+async def _handle(orch: Orchestrator, link: DaemonLink, kind: str, frame: Frame) -> None:
+    message = frame.message
+    if frame.cleaned:
+        # What the boundary changed (a model's NUL in its result, a detail cut), on record
+        # before the message's own effect.
+        async with orch.pool.acquire() as conn:
+            await record(conn, link.agent_id, link.session_id, "protocol", "cleaned", {
+                "type": kind, "cleaned": list(frame.cleaned),
+                **({"task_id": str(message.task_id)}
+                   if isinstance(message, TaskDone | Blocked) else {})})
+    if isinstance(message, Heartbeat):
         return
-    if kind == "kill_ack":
+    if isinstance(message, KillAck):
         orch.hub.acknowledge_kill(link.session_id)  # first: the kill's answer waits on it
-        await save_kill_confirmation(orch, link, _daemon_ns(payload.get("acked_ns")))
-        await save_daemon_stop(orch, link, {"stop": "kill", **payload})
+        await save_kill_confirmation(orch, link, _daemon_ns(message.acked_ns))
+        await save_daemon_stop(orch, link, message.stop, message.detail, message.cut)
         return
-    if kind == "stopping":
-        await save_daemon_stop(orch, link, payload)
+    if isinstance(message, Stopping):
+        await save_daemon_stop(orch, link, message.stop, message.detail, message.cut)
         return
-    if kind == "event":
+    if isinstance(message, Event):
         await orch.pool.execute(
             "INSERT INTO recording_events (agent_id, session_id, kind, status, detail)"
             " VALUES ($1, $2, $3, $4, $5)",
-            link.agent_id, link.session_id, str(payload.get("kind", "event"))[:64],
-            str(payload.get("status", "info"))[:64], payload.get("detail", {}),
+            link.agent_id, link.session_id, message.kind, message.status, message.detail,
         )
         return
-    if kind == "cost":
-        usd, tokens = payload.get("usd"), payload.get("tokens", 0)
-        if not isinstance(usd, int | float) or isinstance(usd, bool) or not math.isfinite(usd) \
-                or usd < 0 or not isinstance(tokens, int) or tokens < 0:
-            raise ProtocolError("cost needs a finite usd >= 0 and integer tokens >= 0",
-                                'send {"usd": 0.0012, "tokens": 340}')
+    if isinstance(message, Cost):
         async with orch.pool.acquire() as conn, conn.transaction():
             await conn.execute(
                 "INSERT INTO cost_entries (agent_id, session_id, usd, tokens)"
-                " VALUES ($1, $2, $3, $4)", link.agent_id, link.session_id, usd, tokens)
-            await conn.execute("UPDATE sessions SET cost_usd=cost_usd+$2 WHERE id=$1",
-                               link.session_id, usd)
+                " VALUES ($1, $2, $3, $4)", link.agent_id, link.session_id, message.usd,
+                message.tokens)
+            await conn.execute(
+                f"UPDATE sessions SET cost_usd=LEAST(cost_usd+$2, {MAX_SESSION_COST_USD})"
+                " WHERE id=$1", link.session_id, message.usd)
         return
-    if kind == "blocked" and "trip" in payload:
-        task_id = _uuid(payload, "task_id")
-        fencing = payload.get("fencing_token")
-        trip = GuardTripReport.parse(payload.get("reason"), payload.get("trip"))
-        if trip is None or not isinstance(fencing, int) or isinstance(fencing, bool):
-            raise ProtocolError("blocked with a trip needs fencing_token and trip.layer",
-                                f"layers: {', '.join(LAYER_NAMES)}")
-        why = await orch.guard_trip(link.session_id, task_id, fencing, trip)
+    if isinstance(message, Blocked) and message.trip is not None:
+        trip = GuardTripReport.parse(message.reason, message.trip)
+        if trip is None:  # the boundary checked the layer; this is the parse's own word
+            raise ProtocolError("Invalid blocked message", f"payload.trip.layer: one of "
+                                f"{', '.join(LAYER_NAMES)}", "payload.trip", kind)
+        why = await orch.guard_trip(link.session_id, message.task_id, message.fencing_token,
+                                    trip)
         if why is not None:
             await send_to(link, "error", {"error": "Trip report rejected", "hint": why})
             return
         await send_to(link, "sleep", {"reason": "guard-trip"})
         return
-    if kind in ("task_done", "blocked"):
-        task_id = _uuid(payload, "task_id")
-        fencing = payload.get("fencing_token")
-        if not isinstance(fencing, int) or isinstance(fencing, bool):
-            raise ProtocolError("fencing_token missing", "echo the token of assign_task")
-        to_state = "done" if kind == "task_done" else "blocked"
-        text = str(payload.get("result" if kind == "task_done" else "reason", ""))[:100_000]
-        why = await orch.finish_task(link.session_id, task_id, fencing, to_state, text)
+    if isinstance(message, TaskDone | Blocked):
+        to_state = "done" if isinstance(message, TaskDone) else "blocked"
+        text = message.result if isinstance(message, TaskDone) else message.reason
+        why = await orch.finish_task(link.session_id, message.task_id, message.fencing_token,
+                                     to_state, text)
         if why is not None:
             await send_to(link, "error", {
-                "error": "Result rejected", "hint": why, "task_id": str(task_id)})
+                "error": "Result rejected", "hint": why, "task_id": str(message.task_id)})
             async with orch.pool.acquire() as conn:
                 await record(conn, link.agent_id, link.session_id, "task", "rejected",
-                             {"task_id": str(task_id), "why": why})
+                             {"task_id": str(message.task_id), "why": why})
             return
         await _assign_next(orch, link)
         return
-    raise ProtocolError(f"Unknown message type {kind!r}",
-                        "types: heartbeat, event, cost, task_done, blocked, kill_ack, stopping")
+    # `ready` is said once, first.
+    raise ProtocolError(f"Unexpected message type {kind!r}",
+                        f"after ready: {', '.join(t for t in MESSAGES if t != 'ready')}",
+                        "type", kind)
 
 
-async def save_daemon_stop(orch: Orchestrator, link: DaemonLink, payload: dict[str, Any]
-                           ) -> None:
+async def save_daemon_stop(orch: Orchestrator, link: DaemonLink, stop: str,
+                           detail: str | None, cut: Any = None) -> None:
     """The daemon's last word on why it stopped, kept on its session (the first word wins)."""
-    stop = payload.get("stop")
-    if stop not in DAEMON_STOPS:
-        raise ProtocolError("stopping needs stop", f"stop: one of {', '.join(DAEMON_STOPS)}")
-    link.last_word = str(stop)
+    link.last_word = stop
     if link.stop_saved:  # the first word wins (the statement also keeps a stored one)
         return
     link.stop_saved = True
-    detail = payload.get("detail")
-    await orch.record_daemon_stop.write(
-        link.session_id, stop, None if detail is None else str(detail)[:300],
-        _tool_cut(payload.get("cut")))
+    await orch.record_daemon_stop.write(link.session_id, stop, detail, _tool_cut(cut))
 
 
 async def save_kill_confirmation(orch: Orchestrator, link: DaemonLink,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 from uuid import UUID
@@ -21,17 +22,29 @@ from pydantic.json_schema import SkipJsonSchema
 
 from covey.orchestrator import HEARTBEAT_MIN_S, MAX_OPEN_HEARTBEAT_TASKS
 
+# Postgres refuses NUL in text and jsonb, and UTF-8 has no lone surrogates: either reached
+# the database as a 500 once (from a request), and crashed the daemon channel's handler
+# (from a model's output, carried by its daemon). The one rule of what a string may hold:
+# the HTTP API refuses what breaks it (storable_text), the daemon channel cleans it
+# (cleaned_text, covey/protocol.py), since a model's output is not its daemon's fault.
+UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+REPLACEMENT = "\ufffd"
+
 
 def storable_text(value: str) -> str:
-    """Postgres refuses NUL in text and jsonb, and UTF-8 has no lone surrogates: either
-    reached the database as a 500 once. Every string of a request passes here first."""
+    """Every string of a request passes here first."""
+    if UNSTORABLE.search(value) is None:
+        return value
     if "\x00" in value:
         raise ValueError("NUL characters (\\u0000) are not allowed; remove them")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("lone UTF-16 surrogates are not allowed; send valid Unicode") from None
-    return value
+    raise ValueError("lone UTF-16 surrogates are not allowed; send valid Unicode")
+
+
+def cleaned_text(value: str) -> tuple[str, int]:
+    """The string with every character Postgres cannot store replaced by U+FFFD, and how
+    many there were. (Python joins a valid surrogate pair into one character when it reads
+    JSON: what is left in the surrogate range is a lone half.)"""
+    return UNSTORABLE.subn(REPLACEMENT, value)
 
 
 def _number_not_text(value: Any) -> Any:
