@@ -367,6 +367,12 @@ async def _handle(orch: Orchestrator, link: DaemonLink, kind: str, payload: dict
                 await record(conn, link.agent_id, link.session_id, "task", "rejected",
                              {"task_id": str(task_id), "why": why})
             return
+        if kind == "blocked" and isinstance(payload.get("model_error"), dict):
+            # The model endpoint refused (a model name, a key): the next task would meet the
+            # same refusal. The session ends; the daemon says why in its last word.
+            if await orch.end_session(link.session_id) == "sleep":
+                await send_to(link, "sleep", {"reason": "model-error"})
+            return
         await _assign_next(orch, link)
         return
     raise ProtocolError(f"Unknown message type {kind!r}",

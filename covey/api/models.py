@@ -133,6 +133,12 @@ class GuardIn(Strict):
     """Per-agent guard thresholds; what is left out takes the daemon's default."""
 
     max_tokens: Annotated[int, Field(ge=1, le=MAX_EXACT_INT), NUMBER] | None = None
+    max_completion_tokens: Annotated[int, Field(
+        ge=1, le=MAX_EXACT_INT, description="the completion one model call may ask for, when "
+        "the budgets allow (default 4096)"), NUMBER] | None = None
+    min_completion_tokens: Annotated[int, Field(
+        ge=1, le=MAX_EXACT_INT, description="the least completion worth a call: a call the "
+        "budgets cannot pay for with this much is refused (default 64)"), NUMBER] | None = None
     max_tool_calls: Annotated[int, Field(ge=1, le=MAX_EXACT_INT), NUMBER] | None = None
     max_wall_s: StrictFloat | None = Field(default=None, gt=0, allow_inf_nan=False)
     loop_window: Annotated[int, Field(ge=2, le=1000), NUMBER] | None = None
