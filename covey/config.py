@@ -46,7 +46,8 @@ class Settings:
     # Variables of the control plane's own environment that sandboxes get; nothing else of it
     # (a sandbox must not see DATABASE_URL). COVEY_SANDBOX_PASS_ENV adds names.
     sandbox_pass_env: tuple[str, ...] = ("COVEY_MODEL_API_KEY", "COVEY_MODEL_PRICES",
-                                         "COVEY_LOG_LEVEL")
+                                         "COVEY_MODEL_MAX_TOKENS_FIELD", "COVEY_MODEL_RETRIES",
+                                         "COVEY_MODEL_BACKOFF_MS", "COVEY_LOG_LEVEL")
     sandbox_image: str = "covey-gameday:latest"
     docker_network: str = "host"
     gameday: str = ""
