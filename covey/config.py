@@ -109,3 +109,18 @@ class Settings:
             switch_connections=_int_env(env, "COVEY_SWITCH_CONNECTIONS", 4, 1),
             sandbox_cpu_group=cpu_group,
         )
+
+
+# Where coveyd asks when COVEY_MODEL_URL is not set (covey.coveyd.DEFAULT_MODEL_URL): a
+# local Ollama's OpenAI-compatible API.
+DAEMON_DEFAULT_MODEL_URL = "http://127.0.0.1:11434/v1"
+
+
+def model_url_warning(settings: Settings) -> str | None:
+    """What `covey serve` says at start when no model endpoint is configured: every session
+    would otherwise fail on its first model call with nothing said where the operator looks."""
+    if settings.model_url:
+        return None
+    return (f"COVEY_MODEL_URL is not set: each sandbox's coveyd will ask "
+            f"{DAEMON_DEFAULT_MODEL_URL} (a local Ollama); when nothing answers there, "
+            "every task is blocked with 'model endpoint ... unreachable'")

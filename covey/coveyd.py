@@ -30,6 +30,7 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 
 from covey import __version__
+from covey.config import DAEMON_DEFAULT_MODEL_URL
 from covey.guard import (
     Guard,
     KillFlag,
@@ -66,8 +67,9 @@ DEFAULT_PRICES: dict[str, tuple[float, float]] = {
     "gpt-4o": (2.50, 10.00),
 }
 
-# Where coveyd asks when COVEY_MODEL_URL is not set: a local Ollama's OpenAI-compatible API.
-DEFAULT_MODEL_URL = "http://127.0.0.1:11434/v1"
+# Where coveyd asks when COVEY_MODEL_URL is not set: a local Ollama's OpenAI-compatible API
+# (`covey serve` warns at start that it will).
+DEFAULT_MODEL_URL = DAEMON_DEFAULT_MODEL_URL
 # Answers of the model endpoint worth asking again: rate limited, or the server's own trouble
 # (and no answer at all). Any other 4xx (a mistyped model name, a bad key) is the same on
 # every try: the task is blocked with the endpoint's own words, not retried.
@@ -134,14 +136,7 @@ class Env:
                    if not os.environ.get(k)]
         if missing:
             raise DaemonError(f"missing environment: {', '.join(missing)}")
-        prices = dict(DEFAULT_PRICES)
-        raw = os.environ.get("COVEY_MODEL_PRICES")
-        if raw:
-            try:
-                prices.update({k: (float(v[0]), float(v[1])) for k, v in json.loads(raw).items()})
-            except (ValueError, TypeError, IndexError, AttributeError) as exc:
-                raise DaemonError(f"COVEY_MODEL_PRICES is not {{model: [in, out]}}: {exc}"
-                                  ) from None
+        prices = model_prices(os.environ.get("COVEY_MODEL_PRICES"))
         field_name = os.environ.get("COVEY_MODEL_MAX_TOKENS_FIELD") or "max_tokens"
         if field_name not in ("max_tokens", "max_completion_tokens"):
             raise DaemonError(f"COVEY_MODEL_MAX_TOKENS_FIELD={field_name!r}: use max_tokens or "
@@ -165,6 +160,26 @@ class Env:
             model_retries=max(0, retries),
             model_backoff_s=max(0, backoff_ms) / 1000,
         )
+
+
+def model_prices(raw: str | None) -> dict[str, tuple[float, float]]:
+    """DEFAULT_PRICES with COVEY_MODEL_PRICES over them: a JSON object of model name to
+    [USD per million prompt tokens, USD per million completion tokens]."""
+    prices = dict(DEFAULT_PRICES)
+    if not raw:
+        return prices
+    try:
+        table = json.loads(raw)
+        if not isinstance(table, dict):
+            raise TypeError("not an object")
+        for model, pair in table.items():
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise ValueError(f"{model!r}: give [prompt, completion]")
+            prices[model] = (float(pair[0]), float(pair[1]))
+    except (ValueError, TypeError) as exc:
+        raise DaemonError(f"COVEY_MODEL_PRICES is not {{model: [prompt, completion]}} in USD "
+                          f"per million tokens: {exc}") from None
+    return prices
 
 
 STOP_WORDS = {"kill": "obeyed a kill message", "lease": "its kill-flag lease ran out",
@@ -206,6 +221,9 @@ class Daemon:
     guard_state: dict[str, Any] = field(default_factory=dict)
     # The model endpoint's refusal that blocked the last task: the session ends saying it.
     model_error: ModelError | None = None
+    # What this session's tasks have spent so far (USD, tokens): the budget is the session's,
+    # not each task's, or a session of many tasks could spend the budget many times.
+    spent: tuple[float, int] = (0.0, 0)
     # Set by a kill or a lapsed lease: the run may not take another step, whatever became
     # of the cancellation sent to it (see `halt_if_stopped`).
     halted: bool = False
@@ -279,6 +297,7 @@ class Daemon:
                                               "detail": {"stopped": sorted(self.flag.stopped)}})
             elif kind == "inject_config":
                 self.config = payload
+                self.spent = (0.0, 0)  # a new session
             elif kind == "assign_task":
                 if self.work is not None and not self.work.done():
                     log.error("assign_task while a task is running; ignored")
@@ -343,7 +362,9 @@ class Daemon:
         limits.setdefault("max_steps", int(self.config.get("max_turns", 20)))
         self.flag.scopes = ("global", f"org:{self.config.get('org_id', '')}",
                             f"agent:{self.env.agent_id}")
-        return Guard(Limits.from_config(limits), self.flag, prices=self.env.prices)
+        guard = Guard(Limits.from_config(limits), self.flag, prices=self.env.prices)
+        guard.cost_usd, guard.tokens = self.spent
+        return guard
 
     def halt_if_stopped(self) -> None:
         """A stopped run ends here, before its next model request or tool call. Cancelling
@@ -422,6 +443,8 @@ class Daemon:
             self.guard_state = guard.snapshot(trip)
             log.warning("guard tripped: %s: %s", trip.layer, trip.reason)
             return Outcome(trip=trip)
+        finally:
+            self.spent = (guard.cost_usd, guard.tokens)
 
     async def chat(self, model: str, messages: list[dict[str, Any]], max_tokens: int
                    ) -> dict[str, Any]:
