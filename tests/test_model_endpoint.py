@@ -18,6 +18,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client.parser import text_string_to_metric_families
 
 from covey.testing.plane import World, free_port, make_world, start_plane
 from harness.puppet import Puppet, max_tokens_of
@@ -171,3 +172,47 @@ async def test_a_model_nobody_can_price_stops_the_agent_at_its_first_call(
     session = await _ended_session(world, agent["id"])
     assert (session["stop_layer"], session["stop_reason"]) == ("budget", reason)
     assert model.requests[agent["id"]] == calls
+
+
+async def test_spend_read_back_through_the_api_equals_the_booked_cost_entries(
+        troubled: tuple[World, TroubledModel]) -> None:
+    world, model = troubled
+    before = (await world.anonymous.get("/metrics")).text
+    agent = await world.agent(budget_usd=0.5, guard={"max_completion_tokens": 100_000,
+                                                     "max_tokens": 10_000_000})
+    model.puppet.assign(agent["id"], "runaway_spend")
+    await world.task(agent["id"], "spend")
+    session = await _ended_session(world, agent["id"])
+    assert session["stop_layer"] == "budget"
+    books = await world.db.fetchrow(
+        "SELECT sum(usd)::float8 AS usd, sum(tokens)::int AS tokens, count(*) AS calls"
+        " FROM cost_entries WHERE agent_id=$1", uuid.UUID(agent["id"]))
+    assert books["calls"] >= 4 and books["usd"] > 0.45
+
+    got = (await world.auditor.get(f"/api/v1/agents/{agent['id']}")).json()
+    assert got["spent_usd"] == pytest.approx(books["usd"], abs=1e-9)
+    assert got["spent_tokens"] == books["tokens"]
+    assert got["remaining_usd"] == 0.5  # no session runs: the next one gets its whole budget
+    listed = (await world.auditor.get("/api/v1/agents")).json()
+    assert [a["spent_usd"] for a in listed if a["id"] == agent["id"]] == [got["spent_usd"]]
+    [read] = (await world.auditor.get(f"/api/v1/agents/{agent['id']}/sessions")).json()
+    assert read["spent_usd"] == pytest.approx(books["usd"], abs=1e-9)
+    assert read["spent_tokens"] == books["tokens"] and read["budget_usd"] == 0.5
+    assert read["remaining_usd"] == pytest.approx(0.5 - books["usd"], abs=1e-9)
+    assert 0 <= read["remaining_usd"] < 0.01  # stopped at its ceiling, not past it
+
+    after = (await world.anonymous.get("/metrics")).text
+    spend = _sample(after, "covey_model_spend_usd_total", agent_id=agent["id"])
+    assert spend == pytest.approx(books["usd"], abs=1e-5)  # the books keep micro-dollars
+    assert _sample(after, "covey_model_tokens_total", agent_id=agent["id"]) == books["tokens"]
+    trips = _sample(after, "covey_guard_trips_total", layer="budget") - _sample(
+        before, "covey_guard_trips_total", layer="budget")
+    assert trips == 1
+
+
+def _sample(text: str, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return 0.0

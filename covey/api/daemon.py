@@ -18,6 +18,7 @@ import structlog
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from starlette.websockets import WebSocketDisconnected, WebSocketState
 
+from covey import metrics
 from covey.db import UNREACHABLE, through_outage
 from covey.hub import DaemonLink, send_to
 from covey.orchestrator import LAYER_NAMES, GuardTripReport, Orchestrator, record
@@ -338,6 +339,8 @@ async def _handle(orch: Orchestrator, link: DaemonLink, kind: str, payload: dict
                 " VALUES ($1, $2, $3, $4)", link.agent_id, link.session_id, usd, tokens)
             await conn.execute("UPDATE sessions SET cost_usd=cost_usd+$2 WHERE id=$1",
                                link.session_id, usd)
+        metrics.model_spend_usd.labels(str(link.agent_id)).inc(usd)
+        metrics.model_tokens.labels(str(link.agent_id)).inc(tokens)
         return
     if kind == "blocked" and "trip" in payload:
         task_id = _uuid(payload, "task_id")

@@ -180,6 +180,12 @@ class AgentOut(BaseModel):
     created_at: datetime
     running_session_id: UUID | None = Field(
         default=None, description="The agent's live session (starting or running), if any")
+    spent_usd: float = Field(default=0.0, description="What the agent's model calls cost, all "
+                             "sessions together: the sum of its cost entries (USD)")
+    spent_tokens: int = Field(default=0, description="Tokens of those calls, all sessions")
+    remaining_usd: float = Field(
+        default=0.0, description="What is left of budget_usd, which is each session's "
+        "ceiling: of the running session's, or the whole budget when none runs")
 
 
 class AgentCreatedOut(AgentOut):
@@ -350,6 +356,12 @@ class SessionOut(BaseModel):
     kill_acked_at: datetime | None = Field(
         default=None, description="When the daemon acknowledged the kill, on its own clock "
         "(from its kill_ack; null without one): it sends no model request after this")
+    spent_usd: float = Field(default=0.0, description="What this session's model calls cost "
+                             "(USD): the sum of its cost entries")
+    spent_tokens: int = Field(default=0, description="Tokens of this session's model calls")
+    budget_usd: float = Field(default=0.0, description="The agent's budget, the ceiling of "
+                              "each of its sessions (as the agent has it now)")
+    remaining_usd: float = Field(default=0.0, description="budget_usd less spent_usd")
 
 
 class NotificationOut(BaseModel):
