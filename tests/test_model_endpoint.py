@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
@@ -200,6 +201,16 @@ async def test_spend_read_back_through_the_api_equals_the_booked_cost_entries(
     assert read["spent_tokens"] == books["tokens"] and read["budget_usd"] == 0.5
     assert read["remaining_usd"] == pytest.approx(0.5 - books["usd"], abs=1e-9)
     assert 0 <= read["remaining_usd"] < 0.01  # stopped at its ceiling, not past it
+
+    # On the page too, for whoever is on call.
+    async with httpx.AsyncClient(base_url=world.plane.url, timeout=30) as browser:
+        r = await browser.post("/api/v1/auth/login", json={
+            "email": "auditor@acme.test", "password": "correct horse battery"})
+        assert r.status_code == 200, r.text
+        page = (await browser.get("/administration")).text
+    row = page[page.index(f'data-agent-id="{agent["id"]}"'):].split("</tr>")[0]
+    assert f'<td class="spent">${got["spent_usd"]:.4f}</td>' in row, row
+    assert '<td class="budget">$0.5000</td>' in row, row
 
     after = (await world.anonymous.get("/metrics")).text
     spend = _sample(after, "covey_model_spend_usd_total", agent_id=agent["id"])
