@@ -73,7 +73,7 @@ DEFAULT_MODEL_URL = DAEMON_DEFAULT_MODEL_URL
 # Answers of the model endpoint worth asking again: rate limited, or the server's own trouble
 # (and no answer at all). Any other 4xx (a mistyped model name, a bad key) is the same on
 # every try: the task is blocked with the endpoint's own words, not retried.
-RETRIED_STATUSES = frozenset({408, 409, 429})
+RETRIED_STATUSES = frozenset({408, 429})
 BACKOFF_CAP_S = 30.0
 
 SYSTEM_PROMPT = (
