@@ -104,7 +104,7 @@ def reading(postgres_dir: Path | None = None) -> Reading:
     for p in mine:
         part = ("control plane" if "covey serve" in p.cmdline else
                 "daemons" if "coveyd" in p.cmdline else
-                "puppet" if "harness.puppet" in p.cmdline else
+                "puppet" if "harness.act.puppet" in p.cmdline else
                 "locust" if "locust" in p.cmdline else None)
         if part is None:
             continue

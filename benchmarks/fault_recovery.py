@@ -14,7 +14,7 @@ what their journals measured:
   more (the stale sessions of the dead control plane declared lost and requeued).
 
 A round whose game day fails counts no figure and is reported as failed. Percentiles are the
-harness's one definition (HDR histogram, harness/measure.py).
+harness's one definition (HDR histogram, harness/judge/time_to_stop.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from harness.measure import percentiles
+from harness.judge.time_to_stop import percentiles
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = {  # figure: (journal name prefix, measurement)

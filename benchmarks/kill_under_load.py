@@ -28,7 +28,7 @@ from typing import Any
 
 from benchmarks import cpu_use
 from benchmarks.kill_latency import load_average, machine
-from harness.client import CoveyClient
+from harness.act.client import CoveyClient
 from harness.load.runner import (
     LoadPlan,
     LoadResult,
@@ -39,7 +39,7 @@ from harness.load.runner import (
     read_stats,
     run_load,
 )
-from harness.stack import ProcessesStack
+from harness.stack.processes import ProcessesStack
 
 ANSWERED = "kill → acknowledged"  # the switch's answer to the operator
 ACKED, EXITED, OPEN = "kill → daemon acked", "kill → daemon exited", "kill → task open"

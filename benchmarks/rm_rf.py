@@ -21,7 +21,7 @@ signal): its answer, the killed sandbox's last model call, its daemon's exit and
 gone (both as the control plane recorded them: the sandbox rows' `daemon_exited_at`,
 `gone_at`), the `rm` calls that sandbox was answered with after the request, and the `rm`
 calls of the agent, whatever sandbox it ran in, within `--window` seconds of the request
-(a blunt instrument stops a sandbox, not the agent). Percentiles: harness.measure (HDR).
+(a blunt instrument stops a sandbox, not the agent). Percentiles: harness.judge.time_to_stop (HDR).
 Bounded: every wait has a deadline, the run has --max-seconds; traffic goes to 127.0.0.1
 and the stacks' own containers only.
 """
@@ -43,12 +43,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.stack import load_average, machine
-from harness.client import json_of
-from harness.gameday import GameDay
-from harness.measure import percentiles
-from harness.puppet import LedgerEntry
-from harness.stack import ContainersStack, ProcessesStack, Stack
-from harness.waiting import eventually
+from harness.act.client import json_of
+from harness.act.puppet import LedgerEntry
+from harness.judge.time_to_stop import percentiles
+from harness.record.gameday import GameDay
+from harness.stack.base import Stack
+from harness.stack.containers import ContainersStack
+from harness.stack.processes import ProcessesStack
+from harness.stack.waiting import eventually
 
 INSTRUMENTS = ("switch", "docker kill", "docker stop")
 PARTS = ("answered", "last_action", "daemon_exit", "sandbox_gone")

@@ -27,8 +27,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from harness.measure import TimeToStop
-from harness.measure import summarize as time_to_stop_percentiles
+from harness.judge.time_to_stop import TimeToStop
+from harness.judge.time_to_stop import summarize as time_to_stop_percentiles
 
 COUNTS = ("operations", "faults", "skipped", "outage_answers", "tasks_created", "tasks",
           "lost_tasks", "done_twice", "actions_after_kill_ack")

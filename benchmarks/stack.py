@@ -1,10 +1,10 @@
 """Set-up shared by the benchmarks (none of them imports tests/): a Postgres server and a
 database of its own, a control plane served by `covey serve` in a process of its own, a bare
 HTTP client for the timed requests. The Postgres server and databases come from
-harness/postgres.py and the percentiles from the harness's HDR histogram
-(harness/measure.py), as for the tests and the game days; free ports, organisations with one
-API token per role and the in-process control plane come from covey.testing, as for the
-tests."""
+harness/stack/postgres.py and the percentiles from the harness's HDR histogram
+(harness/judge/time_to_stop.py), as for the tests and the game days; free ports,
+organisations with one API token per role and the in-process control plane come from
+covey.testing, as for the tests."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from covey.testing.plane import free_port
-from harness.measure import percentile_ms as percentile
-from harness.postgres import database_of_its_own
-from harness.postgres import postgres_server as postgres_server  # the benchmarks' server
+from harness.judge.time_to_stop import percentile_ms as percentile
+from harness.stack.postgres import database_of_its_own
+from harness.stack.postgres import postgres_server as postgres_server  # the benchmarks' server
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("flag_committed", "kill_sent", "requeued")

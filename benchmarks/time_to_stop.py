@@ -8,9 +8,9 @@ and with 20. Every agent has the puppet behaviour `silent` (it never stops on it
 task (GameDay.agent: its game-day limits are out of reach of a long run). Once every task is
 `in_progress`, security pulls the fleet switch (`POST /api/v1/fleet/kill` through
 GameDay.operate); once every sandbox is gone the game day is judged (GameDay.judge) and the
-`kill_fleet` time-to-stop samples are summarised per part (harness.measure): kill acknowledged,
-last agent action, daemon exit, sandbox gone, tasks requeued, total. Daemon exit is the
-control plane's `daemon_exited_at` of each sandbox (its daemon's process reaped, or its
+`kill_fleet` time-to-stop samples are summarised per part (harness.judge.time_to_stop): kill
+acknowledged, last agent action, daemon exit, sandbox gone, tasks requeued, total. Daemon exit is
+the control plane's `daemon_exited_at` of each sandbox (its daemon's process reaped, or its
 container's death as the Docker engine saw it), sandbox gone its `gone_at` (every process of
 it reaped, its container removed): two instants, measured apart, on this host's clock. Beside
 them: coveyd's own log (when it heard the kill, when it said it was exiting) and, on the
@@ -47,12 +47,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import kill_latency
-from harness.checkers import Verdict
-from harness.client import json_of
-from harness.gameday import OBSERVER, GameDay
-from harness.measure import PARTS, TOTAL, Percentiles, TimeToStop, percentiles, summarize
-from harness.stack import HARNESS_LABEL, ContainersStack, ProcessesStack, Stack
-from harness.waiting import eventually
+from harness.act.client import json_of
+from harness.judge.checkers import Verdict
+from harness.judge.time_to_stop import PARTS, TOTAL, Percentiles, TimeToStop, percentiles, summarize
+from harness.record.gameday import OBSERVER, GameDay
+from harness.stack.base import Stack
+from harness.stack.containers import HARNESS_LABEL, ContainersStack
+from harness.stack.processes import ProcessesStack
+from harness.stack.waiting import eventually
 
 LIVE = ("starting", "running")
 INSTRUMENTS = ("docker kill", "docker stop")

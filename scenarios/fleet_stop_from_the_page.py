@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from harness.browser import chromium, click, pull_fleet_switch, require_chromium, sign_in
-from harness.client import json_of
-from harness.gameday import GameDay
-from harness.waiting import eventually
+from harness.act.browser import chromium, click, pull_fleet_switch, require_chromium, sign_in
+from harness.act.client import json_of
+from harness.record.gameday import GameDay
+from harness.stack.waiting import eventually
 
 BEHAVIOURS = ("slow_writer", "silent", "well_behaved")
 
@@ -32,50 +32,49 @@ async def test_fleet_stop_from_the_page(gameday: GameDay, agents_per_game_day: i
     day = gameday
     email, password = f"on-call.{day.run_id}@{day.fake.domain_word()}.test", "on-call pager 7"
     json_of(await day.people["org_admin"].add_member(email, password, "security"), 201)
-    async with day.journaled():
-        agents = [await day.agent(BEHAVIOURS[i % 3]) for i in range(agents_per_game_day)]
+    agents = [await day.agent(BEHAVIOURS[i % 3]) for i in range(agents_per_game_day)]
+    for a in agents:
+        await day.task(a["id"])
+
+    # The agents that never stop on their own are at work (a slow writer may already be
+    # done when the last container starts).
+    await day.until.all_working([a for a in agents if a["behaviour"] == "silent"])
+    with chromium() as page:
+        page.implicitly_wait(10)
+        await asyncio.to_thread(sign_in, page, day.endpoints.url, email, password)
+
+        async def on_the_page(press: Any, *args: Any) -> Any:
+            """Press, then wait until the page shows the switch's answer."""
+            await asyncio.to_thread(page.execute_script,
+                                    "document.getElementById('message').textContent=''")
+            await asyncio.to_thread(press, page, *args)
+
+            async def answered() -> str | None:
+                text: str = await asyncio.to_thread(
+                    lambda: page.find_element("id", "message").text)
+                return text if text not in ("", "Sending…") else None
+            said = await eventually(answered, 30, "the page never showed the answer")
+            assert said == "Done.", f"the page refused the switch: {said}"
+            return await day.people["auditor"].fleet()
+        clicked_ns = time.time_ns()
+        r = await day.operate("security", "kill_fleet", {}, lambda: on_the_page(
+            pull_fleet_switch, "game day: agents out of hand"))
+        assert json_of(r)["fleet_killed"], "the red button did not stop the fleet"
+        await day.read_tasks()  # right after the kill's ok: what it requeued
+
+        await day.until.all_sandboxes_gone(agents)
+        boxes = [s for a in agents for s in await day.sandboxes(a["id"])]
+        exits = [datetime.fromisoformat(s["daemon_exited_at"]).timestamp() * 1e9
+                 for s in boxes if s["daemon_exited_at"] and s["exit_code"] == 3]
+        assert exits, "no daemon exited with code 3 after the red button"
+        click_to_exit_ms = round((max(exits) - clicked_ns) / 1e6, 1)
+        day.journal_sections["page_stop"] = {
+            "click_to_last_daemon_exit_ms": click_to_exit_ms, "daemons_stopped": len(exits)}
+        day.notes.append(f"red button to the last daemon's exit: {click_to_exit_ms} ms")
         for a in agents:
-            await day.task(a["id"])
+            await day.endpoints.puppet.assign(a["id"], "well_behaved")
+        r = await day.operate("security", "resume_fleet", {},
+                              lambda: on_the_page(click, "fleet-resume"))
+        assert not json_of(r)["fleet_killed"], "resume from the page left the fleet stopped"
 
-        # The agents that never stop on their own are at work (a slow writer may already be
-        # done when the last container starts).
-        await day.until.all_working([a for a in agents if a["behaviour"] == "silent"])
-        with chromium() as page:
-            page.implicitly_wait(10)
-            await asyncio.to_thread(sign_in, page, day.endpoints.url, email, password)
-
-            async def on_the_page(press: Any, *args: Any) -> Any:
-                """Press, then wait until the page shows the switch's answer."""
-                await asyncio.to_thread(page.execute_script,
-                                        "document.getElementById('message').textContent=''")
-                await asyncio.to_thread(press, page, *args)
-
-                async def answered() -> str | None:
-                    text: str = await asyncio.to_thread(
-                        lambda: page.find_element("id", "message").text)
-                    return text if text not in ("", "Sending…") else None
-                said = await eventually(answered, 30, "the page never showed the answer")
-                assert said == "Done.", f"the page refused the switch: {said}"
-                return await day.people["auditor"].fleet()
-            clicked_ns = time.time_ns()
-            r = await day.operate("security", "kill_fleet", {}, lambda: on_the_page(
-                pull_fleet_switch, "game day: agents out of hand"))
-            assert json_of(r)["fleet_killed"], "the red button did not stop the fleet"
-            await day.read_tasks()  # right after the kill's ok: what it requeued
-
-            await day.until.all_sandboxes_gone(agents)
-            boxes = [s for a in agents for s in await day.sandboxes(a["id"])]
-            exits = [datetime.fromisoformat(s["daemon_exited_at"]).timestamp() * 1e9
-                     for s in boxes if s["daemon_exited_at"] and s["exit_code"] == 3]
-            assert exits, "no daemon exited with code 3 after the red button"
-            click_to_exit_ms = round((max(exits) - clicked_ns) / 1e6, 1)
-            day.journal_sections["page_stop"] = {
-                "click_to_last_daemon_exit_ms": click_to_exit_ms, "daemons_stopped": len(exits)}
-            day.notes.append(f"red button to the last daemon's exit: {click_to_exit_ms} ms")
-            for a in agents:
-                await day.endpoints.puppet.assign(a["id"], "well_behaved")
-            r = await day.operate("security", "resume_fleet", {},
-                                  lambda: on_the_page(click, "fleet-resume"))
-            assert not json_of(r)["fleet_killed"], "resume from the page left the fleet stopped"
-
-        await day.until.all_tasks_done()
+    await day.until.all_tasks_done()

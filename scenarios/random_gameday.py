@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.gameday import GameDay
 from harness.generator.play import play
 from harness.generator.random_day import RandomDay, parametrize_schedules
+from harness.record.gameday import GameDay
 
 SCENARIO = "scenarios/random_gameday.py"
 CHECKED = ("no_action_after_kill_ack", "in_progress_requeued", "no_wake_of_stopped_agent",
@@ -40,12 +40,12 @@ async def test_random_gameday(gameday: GameDay, agents_per_game_day: int,
     day = gameday
     random_day = RandomDay.of(day, request.config, SCENARIO, schedule_seed,
                               agents_per_game_day)
-    async with day.journaled() as outcome:
-        await play(day, random_day.schedule)
-        final = await day.judged(outcome)
-        day.journal_sections["generator"].update(random_day.figures(outcome.verdicts, final))
-        # Every rule broken, how to replay the schedule, and a shrunk one that still fails.
-        broken = await random_day.broken(outcome.verdicts)
-        if broken:
-            day.notes.extend(broken)
-            raise AssertionError("the random game day broke rules:\n" + "\n".join(broken))
+    outcome = day.outcome
+    await play(day, random_day.schedule)
+    final = await day.judged(outcome)
+    day.journal_sections["generator"].update(random_day.figures(outcome.verdicts, final))
+    # Every rule broken, how to replay the schedule, and a shrunk one that still fails.
+    broken = await random_day.broken(outcome.verdicts)
+    if broken:
+        day.notes.extend(broken)
+        raise AssertionError("the random game day broke rules:\n" + "\n".join(broken))

@@ -18,9 +18,9 @@ import uvicorn
 from covey.db import migrate
 from covey.testing import SCRIPTED_DAEMON
 from covey.testing.plane import Plane, World, free_port, make_world, start_plane
-from harness.postgres import create_database, database_of_its_own, postgres_server
-from harness.puppet import Puppet, create_app
-from harness.waiting import eventually
+from harness.act.puppet import Puppet, create_app
+from harness.stack.postgres import create_database, database_of_its_own, postgres_server
+from harness.stack.waiting import eventually
 
 COVEYD = [sys.executable, "-m", "covey.coveyd"]
 

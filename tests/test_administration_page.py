@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from covey.testing.plane import World
-from harness.browser import chromium, click, pull_fleet_switch, screenshot_dir, sign_in
-from harness.waiting import eventually
+from harness.act.browser import chromium, click, pull_fleet_switch, screenshot_dir, sign_in
+from harness.stack.waiting import eventually
 
 PASSWORD = "correct horse battery"
 

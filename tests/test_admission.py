@@ -20,7 +20,7 @@ from covey.config import Settings
 from covey.db import Connection
 from covey.testing import SCRIPTED_DAEMON
 from covey.testing.plane import World, make_world, start_plane
-from harness.waiting import eventually
+from harness.stack.waiting import eventually
 
 
 @asynccontextmanager

@@ -29,7 +29,7 @@ from schemathesis.config import SchemathesisConfig
 
 from covey.testing import SCRIPTED_DAEMON
 from covey.testing.plane import free_port
-from harness.postgres import create_database, drop_database
+from harness.stack.postgres import create_database, drop_database
 
 pytestmark = pytest.mark.slow
 

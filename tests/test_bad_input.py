@@ -327,7 +327,7 @@ async def test_manual_fires_stop_at_the_bound_of_unfinished_heartbeat_tasks(
 async def test_scheduler_heartbeats_are_bounded_and_leave_a_creation_row(
         world: World) -> None:
     from covey.orchestrator import MAX_OPEN_HEARTBEAT_TASKS
-    from harness.waiting import eventually
+    from harness.stack.waiting import eventually
 
     agent = await world.agent()
     aid = uuid.UUID(agent["id"])
@@ -368,7 +368,7 @@ async def _more(count: Any, than: int) -> bool:
 async def test_binary_frame_loses_the_daemon_at_once(world: World) -> None:
     """A binary frame crashed the handler; a ready daemon's session then stayed running,
     its task in progress, until the stale sweep 15 s later."""
-    from harness.waiting import eventually
+    from harness.stack.waiting import eventually
 
     ids, token = await _sandbox_with_token(world)
     aid = uuid.UUID(ids["agent_id"])
@@ -472,7 +472,7 @@ async def test_a_message_whose_handling_fails_ends_the_channel_at_once(
     import asyncpg
 
     import covey.api.daemon as daemon
-    from harness.waiting import eventually
+    from harness.stack.waiting import eventually
 
     handle = daemon._handle
 

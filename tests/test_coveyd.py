@@ -15,19 +15,19 @@ import pytest
 
 from covey.testing import ACTS_AFTER_ACK
 from covey.testing.plane import Plane, World, free_port, make_world, start_plane
-from harness.checkers import (
+from harness.act.puppet import Puppet
+from harness.judge.checkers import (
     KILL_DELIVERY_F,
     FinalState,
     Verdict,
     kill_obeyed,
     no_action_after_kill_ack,
 )
-from harness.gameday import kill_delivery
-from harness.history import History
 from harness.load.kills import acknowledged_at, late_requests
 from harness.nemesis import FaultProxy
-from harness.puppet import Puppet
-from harness.waiting import eventually
+from harness.record.gameday import kill_delivery
+from harness.record.history import History
+from harness.stack.waiting import eventually
 from tests.conftest import COVEYD
 
 

@@ -21,7 +21,7 @@ from covey.coveyd import STEP_ASIDE_NICE, in_a_crowd
 from covey.cpu_group import PREFIX, CpuGroup, children, make_cpu_group, own_cgroup, sweep
 from covey.hub import DaemonHub, DaemonLink
 from covey.sandbox import ProcessProvider, SandboxSpec
-from harness.waiting import eventually
+from harness.stack.waiting import eventually
 
 V1 = """12:cpu,cpuacct:/machine/a
 4:memory:/process_api/x

@@ -18,8 +18,8 @@ from covey.db import DatabaseUnavailable
 from covey.testing import SCRIPTED_DAEMON
 from covey.testing.plane import make_world, served, start_plane
 from harness.nemesis import FaultProxy
-from harness.postgres import link_of, through
-from harness.waiting import eventually
+from harness.stack.postgres import link_of, through
+from harness.stack.waiting import eventually
 
 
 @pytest.mark.parametrize("cut", ["down", "reset"])

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from covey.testing.plane import World, free_port, make_world, start_plane
+from harness.act.puppet import Puppet
 from harness.nemesis import FaultProxy
-from harness.puppet import Puppet
-from harness.waiting import eventually
+from harness.stack.waiting import eventually
 
 pytestmark = pytest.mark.docker
 IMAGE = os.environ.get("COVEY_SANDBOX_IMAGE", "covey-gameday:latest")

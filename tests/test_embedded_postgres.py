@@ -24,7 +24,7 @@ import pytest
 
 from covey.config import ConfigError, Settings
 from covey.testing.plane import free_port
-from harness.waiting import eventually
+from harness.stack.waiting import eventually
 
 pytestmark = pytest.mark.slow
 

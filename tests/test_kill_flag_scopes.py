@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from covey.testing.plane import World, make_world, platform_admin_client, start_plane
-from harness import puppet as puppet_module
-from harness.puppet import Puppet, _call, _reply
-from harness.waiting import eventually
+from harness.act import puppet as puppet_module
+from harness.act.puppet import Puppet, _call, _reply
+from harness.stack.waiting import eventually
 from tests.conftest import COVEYD
 
 REFUSED = "kill flag set for tool shell"

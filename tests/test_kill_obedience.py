@@ -9,10 +9,10 @@ import time
 from typing import Any
 
 from covey.testing.plane import World
-from harness.checkers import KILL_DELIVERY_F, FinalState, Verdict, kill_obeyed
-from harness.gameday import kill_delivery
-from harness.history import History
-from harness.waiting import eventually
+from harness.judge.checkers import KILL_DELIVERY_F, FinalState, Verdict, kill_obeyed
+from harness.record.gameday import kill_delivery
+from harness.record.history import History
+from harness.stack.waiting import eventually
 
 
 async def _kill_and_judge(world: World, body: str) -> tuple[dict[str, Any], dict[str, Any],

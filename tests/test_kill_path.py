@@ -21,7 +21,7 @@ from covey.db import DatabaseUnavailable
 from covey.orchestrator import _retried
 from covey.testing import SCRIPTED_DAEMON
 from covey.testing.plane import World, make_world, start_plane
-from harness.waiting import eventually
+from harness.stack.waiting import eventually
 
 
 async def _sandbox_with_token(world: World) -> tuple[dict[str, Any], str, uuid.UUID]:

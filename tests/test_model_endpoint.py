@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client.parser import text_string_to_metric_families
 
 from covey.testing.plane import World, free_port, make_world, start_plane
-from harness.puppet import Puppet, max_tokens_of
-from harness.waiting import eventually
+from harness.act.puppet import Puppet, max_tokens_of
+from harness.stack.waiting import eventually
 from tests.conftest import COVEYD
 
 

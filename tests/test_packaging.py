@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import harness.entry
+import harness.run.entry
 
 # What the harness brings and a control plane must never need (import names).
 HARNESS_ONLY = ("pytest", "_pytest", "pytest_asyncio", "testcontainers", "faker", "hdrh",
@@ -60,25 +60,25 @@ def test_gameday_without_the_extra_says_what_to_install(
         if name in ("locust", "plotly"):
             raise metadata.PackageNotFoundError(name)
         return real_version(name)
-    monkeypatch.setattr(harness.entry.metadata, "version", version)
+    monkeypatch.setattr(harness.run.entry.metadata, "version", version)
 
-    assert harness.entry.missing() == ["locust", "plotly"]
+    assert harness.run.entry.missing() == ["locust", "plotly"]
     with pytest.raises(SystemExit) as exit_:
-        harness.entry.gameday()
+        harness.run.entry.gameday()
     message = str(exit_.value.code)
     assert "locust, plotly are not installed" in message \
         and "pip install 'covey-gameday[harness]'" in message, message
 
 
 def test_with_the_extra_pytest_gets_the_game_day_plugin() -> None:
-    assert harness.entry.missing() == []
-    assert harness.entry.pytest_plugins == ["harness.plugin"]
+    assert harness.run.entry.missing() == []
+    assert harness.run.entry.pytest_plugins == ["harness.run.plugin"]
 
 
 def test_the_harness_reaches_covey_only_from_outside() -> None:
     """No `import covey` in harness/: it talks to the control plane through HTTP, WebSocket,
     images and processes, so it tests a deployment exactly as it tests its own stacks."""
-    harness_dir = Path(harness.entry.__file__).parent
+    harness_dir = Path(harness.run.entry.__file__).parents[1]
     imports = []
     for path in sorted(harness_dir.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -93,6 +93,6 @@ def test_the_harness_reaches_covey_only_from_outside() -> None:
 
 def test_the_wire_names_the_harness_spells_out_are_covey_s() -> None:
     from covey.coveyd import SENT_AT_HEADER
-    from harness.puppet import SENT_AT_HEADER as PUPPET_READS
+    from harness.act.puppet import SENT_AT_HEADER as PUPPET_READS
 
     assert PUPPET_READS == SENT_AT_HEADER, "the puppet reads another send-time header"

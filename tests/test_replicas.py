@@ -18,12 +18,13 @@ import pytest
 
 from covey.testing import SCRIPTED_DAEMON
 from covey.testing.plane import Plane, World, free_port, make_world, start_plane
+from harness.act.puppet import Puppet
 from harness.nemesis import Nemesis, ProxyFaultKind
 from harness.nemesis.processes import process_state
-from harness.postgres import link_of, through
-from harness.puppet import Puppet
-from harness.stack import PlaneProcess, proxy_process
-from harness.waiting import eventually
+from harness.stack.base import proxy_process
+from harness.stack.postgres import link_of, through
+from harness.stack.processes import PlaneProcess
+from harness.stack.waiting import eventually
 
 
 async def test_kill_on_one_replica_stops_a_daemon_connected_to_the_other(

@@ -18,8 +18,8 @@ import pytest
 
 from covey.sandbox import processes_marked
 from covey.testing.plane import World, free_port, make_world, start_plane
-from harness.puppet import Puppet
-from harness.waiting import eventually
+from harness.act.puppet import Puppet
+from harness.stack.waiting import eventually
 from tests.conftest import COVEYD
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from covey.testing import SCRIPTED_DAEMON
 from covey.testing.plane import World, make_world, start_plane
-from harness.waiting import eventually
+from harness.stack.waiting import eventually
 
 STOPPED = {"error": "Agent or fleet is stopped", "hint": "resume it first."}
 

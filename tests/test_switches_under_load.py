@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from covey.testing.plane import World
-from harness.waiting import eventually
+from harness.stack.waiting import eventually
 
 pytestmark = pytest.mark.slow
 

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 import docker.errors
 import httpx
 
-from harness.client import ApiFailure
+from harness.act.client import ApiFailure
 
 if TYPE_CHECKING:
-    from harness.gameday import GameDay
+    from harness.record.gameday import GameDay
 
 CONTROL_CHANNEL = "control-channel"
 LIVE = ("starting", "running")

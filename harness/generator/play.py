@@ -22,13 +22,13 @@ from typing import Any, TypeVar
 
 import httpx
 
-from harness.checkers import Verdict
-from harness.client import ApiFailure, json_of
-from harness.gameday import GameDay
+from harness.act.client import ApiFailure, json_of
 from harness.generator.faults import FAULTS, FaultSkipped
 from harness.generator.schedule import Schedule, Step
-from harness.rollback import roll_back
-from harness.steady import prepare
+from harness.judge.checkers import Verdict
+from harness.record.gameday import GameDay
+from harness.run.rollback import roll_back
+from harness.run.steady import prepare
 
 GENERATOR = "generator"
 HEARTBEAT = "hourly"

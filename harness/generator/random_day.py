@@ -11,15 +11,15 @@ from dataclasses import dataclass
 
 import pytest
 
-from harness.checkers import FinalState, Verdict
-from harness.gameday import GameDay
 from harness.generator.faults import usable_faults
 from harness.generator.play import verdicts_of
 from harness.generator.schedule import Schedule, Step, from_journal, generate, write
 from harness.generator.shrink import shrink
-from harness.plugin import run_seed
-from harness.switch_checkers import task_fates
-from harness.verdicts import broken_rules, failed
+from harness.judge.checkers import FinalState, Verdict
+from harness.judge.switch_checkers import task_fates
+from harness.judge.verdicts import broken_rules, failed
+from harness.record.gameday import GameDay
+from harness.run.plugin import run_seed
 
 
 def parametrize_schedules(metafunc: pytest.Metafunc) -> None:

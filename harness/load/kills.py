@@ -1,7 +1,7 @@
 """Whether a kill under load held, from what the killer can read: the agent's sessions as
 the control plane recorded them and the puppet's ledger. Pure, and free of Locust, so that
 the Locust file and the tests judge with the same rule; the rule itself is the game days'
-(harness.checkers: a request counts from its daemon's send stamp, a kill is acknowledged at
+(harness.judge.checkers: a request counts from its daemon's send stamp, a kill is acknowledged at
 the earlier of the switch's answer and the daemon's own `kill_ack`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from harness.checkers import daemon_acked_at, kill_acknowledged_at, sent_at
+from harness.judge.checkers import daemon_acked_at, kill_acknowledged_at, sent_at
 
 # How far before the acknowledgement the killer reads the ledger: a request is seen after it
 # is sent, so one sent after the acknowledgement was seen after it too, on one clock; the

@@ -15,7 +15,7 @@ own `kill_ack`, on its clock), kill → daemon exited (the sandbox's exit as the
 recorded it) and kill → task open (the work back in the backlog);
 then they resume the agent. A kill fails, as a Locust failure with its reason, when the
 agent's daemon sent a model request after the kill was acknowledged (the puppet's ledger,
-judged as harness.checkers judges a game day: by the daemon's send stamp, against the
+judged as harness.judge.checkers judges a game day: by the daemon's send stamp, against the
 earlier of the switch's answer and the daemon's own `kill_ack`), when the daemon did not
 exit with code 3, or when a part took longer than the bound.
 """
@@ -35,7 +35,7 @@ from locust.clients import ResponseContextManager as Response
 from locust.env import Environment
 from locust.runners import MasterRunner
 
-from harness.checkers import kill_acknowledged_at
+from harness.judge.checkers import kill_acknowledged_at
 from harness.load.kills import LEDGER_MARGIN_NS, daemon_acks, late_requests
 
 KILL = "KILL"

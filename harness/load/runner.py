@@ -22,11 +22,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from harness.client import CoveyClient, json_of
-from harness.gameday import GAME_DAY_GUARD, GAME_DAY_MAX_TURNS
-from harness.measure import percentiles
-from harness.stack import Endpoints, free_port
-from harness.waiting import eventually
+from harness.act.client import CoveyClient, json_of
+from harness.judge.time_to_stop import percentiles
+from harness.record.gameday import GAME_DAY_GUARD, GAME_DAY_MAX_TURNS
+from harness.stack.base import Endpoints, free_port
+from harness.stack.waiting import eventually
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 PARTS = {"acknowledged_ns": "kill → acknowledged", "daemon_acked_ns": "kill → daemon acked",

@@ -51,7 +51,7 @@ from harness.nemesis.faults import (
 )
 from harness.nemesis.standing import Fault, StandingFaults
 from harness.nemesis.watchdog import HealOrder, alive
-from harness.waiting import eventually
+from harness.stack.waiting import eventually
 
 CHUNK = 65536
 IN_FLIGHT_CHUNKS = 64  # per direction and connection; beyond that the proxy stops reading

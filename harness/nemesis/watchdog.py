@@ -36,9 +36,23 @@ STATE_ENV = "COVEY_GAMEDAY_STATE"
 EXEC_TIMEOUT_S = 60
 
 
+STATE_PREFIX = "covey-gameday-"
+
+
 def state_dir() -> Path:
-    """Where the halt and the standing faults of every harness on this machine are kept."""
-    return Path(os.environ.get(STATE_ENV) or Path(tempfile.gettempdir()) / "covey-gameday")
+    """Where this user's halt and standing faults are kept: one folder per user by default,
+    so that one person's `gameday halt` neither heals nor blocks another's game days on a
+    shared host (`--all-users` reaches every folder)."""
+    return Path(os.environ.get(STATE_ENV)
+                or Path(tempfile.gettempdir()) / f"{STATE_PREFIX}{os.getuid()}")
+
+
+def every_users_state_dir() -> list[Path]:
+    """This user's state folder and every other user's under the same temporary folder."""
+    mine = state_dir()
+    others = sorted(p for p in Path(tempfile.gettempdir()).glob(f"{STATE_PREFIX}*")
+                    if p.is_dir() and p != mine)
+    return [mine, *others]
 
 
 @dataclass(frozen=True)

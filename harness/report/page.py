@@ -20,8 +20,8 @@ import plotly.graph_objects as go
 from jinja2 import Environment, PackageLoader, select_autoescape
 from plotly.offline import get_plotlyjs
 
-from harness.history import Event, History
-from harness.measure import PARTS, TOTAL
+from harness.judge.time_to_stop import PARTS, TOTAL
+from harness.record.history import Event, History
 
 OPERATORS = "operators"
 NS = 1_000_000_000

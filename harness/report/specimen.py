@@ -16,9 +16,9 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Any
 
-from harness.checkers import KILL_DELIVERY_F, FinalAgent, FinalState, FinalTask, check_all
-from harness.history import History
-from harness.measure import summarize, time_to_stop
+from harness.judge.checkers import KILL_DELIVERY_F, FinalAgent, FinalState, FinalTask, check_all
+from harness.judge.time_to_stop import summarize, time_to_stop
+from harness.record.history import History
 
 START_NS = 1_800_000_000 * 1_000_000_000  # a fixed wall-clock instant (2027-01-15)
 MS = 1_000_000

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from harness.gameday import phases
+from harness.record.gameday import phases
 from harness.report import runs
 from harness.report.page import write_page
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.checkers import FinalState
-from harness.history import Event, EventType, History
+from harness.judge.checkers import FinalState
+from harness.record.history import Event, EventType, History
 
 MS = 1_000_000
 

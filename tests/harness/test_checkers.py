@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from harness.checkers import (
+from harness.judge.checkers import (
     FinalState,
+    Verdict,
     check_all,
     each_task_done_once_after_resume,
     every_fault_healed,
     in_progress_requeued,
+    judge_all,
     kill_obeyed,
     no_action_after_kill_ack,
     no_wake_of_stopped_agent,
@@ -352,3 +354,53 @@ def test_no_kill_sent_to_a_daemon_is_unknown_not_a_pass() -> None:
     verdict = kill_obeyed(day.history, FinalState())
     assert verdict.valid == "unknown"
     assert "No kill message reached a running daemon" in verdict.message
+
+
+# ---------------------------------------------------------------- no verdict without evidence
+
+
+def test_a_checker_that_raises_is_unknown_with_its_error_and_the_others_stand() -> None:
+    day, final = clean_game_day()
+
+    def broken_judge(history: object, final: object) -> Verdict:
+        raise KeyError("task_id")
+    verdicts = judge_all((broken_judge, kill_obeyed), day.history, final)
+    assert [(v.checker, v.valid) for v in verdicts] == [("broken_judge", "unknown"),
+                                                        ("kill_obeyed", True)]
+    assert "KeyError('task_id')" in verdicts[0].message
+
+
+def test_requeue_is_unknown_when_no_task_was_read_before_the_kill() -> None:
+    # The agent had a task in progress, but nobody looked before the kill: a pass on "0
+    # tasks" would prove nothing.
+    day = GameDay()
+    day.kill_agent("a1", 100, 110)
+    day.task("t1", "a1", "open", 120)
+    verdict = in_progress_requeued(day.history, FinalState())
+    assert verdict.valid == "unknown", verdict
+    assert "No task was read before" in verdict.message
+
+
+def test_no_action_after_the_ack_is_unknown_when_no_stopped_agent_was_seen_acting() -> None:
+    day = GameDay()
+    day.kill_agent("a1", 100, 110)
+    day.action("a2", 50)  # another agent's action: nothing about a1
+    verdict = no_action_after_kill_ack(day.history, FinalState())
+    assert verdict.valid == "unknown", verdict
+    assert "seen acting" in verdict.message
+
+
+def test_obedience_is_unknown_without_a_kill_delivered() -> None:
+    day = GameDay()
+    day.kill_agent("a1", 100, 110)
+    day.action("a1", 50)
+    verdict = kill_obeyed(day.history, FinalState())
+    assert verdict.valid == "unknown", verdict
+
+
+def test_no_wake_is_unknown_when_no_session_was_read_back() -> None:
+    day = GameDay()
+    day.kill_agent("a1", 100, 110)
+    verdict = no_wake_of_stopped_agent(day.history, FinalState())
+    assert verdict.valid == "unknown", verdict
+    assert "sessions were not read back" in verdict.message

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import httpx
 
-from harness import client as client_module
-from harness.client import SHED_TRIES, CoveyClient
+from harness.act import client as client_module
+from harness.act.client import SHED_TRIES, CoveyClient
 
 
 def counting(answers: list[httpx.Response]) -> tuple[httpx.MockTransport, list[int]]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from harness.stack import reap_stale_game_days
+from harness.stack.containers import reap_stale_game_days
 
 pytestmark = pytest.mark.docker
 REPO = Path(__file__).resolve().parents[2]
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 UP_AND_WAIT = textwrap.dedent("""
     import asyncio, sys
     from pathlib import Path
-    from harness.stack import ContainersStack
+    from harness.stack.containers import ContainersStack
 
     async def main() -> None:
         async with ContainersStack(Path(sys.argv[1])).up() as endpoints:

@@ -12,9 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from harness.checkers import FinalState, Verdict
-from harness.client import CoveyClient
-from harness.gameday import GameDay
+from harness.act.client import CoveyClient
 from harness.generator import faults as fault_registry
 from harness.generator import random_day
 from harness.generator.play import Played, apply
@@ -31,7 +29,9 @@ from harness.generator.schedule import (
     write,
 )
 from harness.generator.shrink import shrink
-from harness.history import History
+from harness.judge.checkers import FinalState, Verdict
+from harness.record.gameday import GameDay
+from harness.record.history import History
 
 FAULT_NAMES = sorted(fault_registry.FAULTS)
 OUTAGE_FAULTS = {"pause_database", "restart_database", "crash_control_plane",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.history import Event, History
+from harness.record.history import Event, History
 from tests.harness.builders import MS, clean_game_day
 
 

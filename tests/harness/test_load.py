@@ -144,7 +144,7 @@ def test_a_run_time_locust_would_refuse_is_refused() -> None:
 def gameday_load(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str],
                                                         dict[str, Any]]:
     run = subprocess.run(
-        [sys.executable, "-m", "harness.cli", "load", "--stack", "processes", "--users", "4",
+        [sys.executable, "-m", "harness.run.cli", "load", "--stack", "processes", "--users", "4",
          "--spawn-rate", "4", "--run-time", "15s", "--agents", "3",
          "--report-dir", str(tmp_path), *extra],
         capture_output=True, text=True, timeout=240)

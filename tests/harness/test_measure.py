@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from harness.gameday import sandbox_observations
-from harness.measure import TimeToStop, percentile_ms, percentiles, summarize, time_to_stop
+from harness.judge.time_to_stop import (
+    TimeToStop,
+    percentile_ms,
+    percentiles,
+    summarize,
+    time_to_stop,
+)
+from harness.record.gameday import sandbox_observations
 from tests.harness.builders import MS, GameDay, clean_game_day
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from harness.checkers import (
+from harness.judge.checkers import (
     FinalState,
     home_is_last_sync,
     no_blind_restart_after_trip,
     nothing_left_of_killed_agent,
 )
-from harness.measures import (
+from harness.judge.costs import (
     deletions_after_kill,
     failing_service_calls,
     spend_beyond_cap,

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from harness.nemesis import BadFault, FaultProxy, HealFailed, Nemesis, ProxyFaultKind
-from harness.waiting import eventually
+from harness.stack.waiting import eventually
 
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 Connect = Callable[[int], Awaitable[Streams]]

@@ -20,7 +20,7 @@ from docker.models.containers import Container
 from docker.models.networks import Network
 
 from harness.nemesis import BadFault, FaultRecord, HealFailed, Nemesis
-from harness.waiting import eventually
+from harness.stack.waiting import eventually
 
 pytestmark = pytest.mark.docker
 

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,10 +19,10 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from harness.cli import app
-from harness.nemesis import Nemesis, halt
+from harness.nemesis import Nemesis, halt, watchdog
 from harness.nemesis.watchdog import STATE_ENV, FaultRegistry
-from harness.waiting import eventually
+from harness.run.cli import app
+from harness.stack.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 3.0
@@ -35,7 +36,7 @@ import asyncio, json, sys
 from pathlib import Path
 from harness.nemesis import Nemesis, RemoteFaultProxy, halt
 from harness.nemesis.watchdog import FaultRegistry
-from harness.stack import proxy_process
+from harness.stack.base import proxy_process
 
 async def main(pid, deadline, root):
     halt.stop_on_sigterm()
@@ -156,14 +157,35 @@ def test_gameday_run_refuses_while_a_halt_stands(tmp_path: Path,
     assert halt.refusal(tmp_path) is None, "the halt still stands after its release"
 
 
+def test_a_halt_is_one_users_unless_all_users_are_asked_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Another user's game days on the same host keep running through my halt.
+    monkeypatch.delenv(STATE_ENV, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    other = tmp_path / "covey-gameday-4242"
+    other.mkdir()
+    mine = watchdog.state_dir()
+    assert mine == tmp_path / f"covey-gameday-{os.getuid()}", mine
+    cli = CliRunner()
+    assert cli.invoke(app, ["halt", "--reason", "mine only"]).exit_code == 0
+    assert halt.refusal(mine) is not None, "my halt does not stand"
+    assert halt.refusal(other) is None, "my halt stopped another user's game days"
+    assert cli.invoke(app, ["halt", "--release"]).exit_code == 0
+    pulled = cli.invoke(app, ["halt", "--all-users", "--reason", "everyone"])
+    assert pulled.exit_code == 0, pulled.output
+    assert halt.refusal(mine) is not None and halt.refusal(other) is not None, (
+        f"--all-users did not halt every user's game days: {pulled.output}")
+    assert cli.invoke(app, ["halt", "--release", "--all-users"]).exit_code == 0
+    assert halt.refusal(mine) is None and halt.refusal(other) is None
+
+
 SCENARIO = """
 import os
-from harness.gameday import GameDay
+from harness.record.gameday import GameDay
 
 async def test_waits_under_a_fault(gameday: GameDay) -> None:
-    async with gameday.journaled():
-        await gameday.endpoints.nemesis.pause_process(int(os.environ["SLEEPER"]), 600)
-        await gameday.until.condition(lambda: _never(), 600, "the halt never came")
+    await gameday.endpoints.nemesis.pause_process(int(os.environ["SLEEPER"]), 600)
+    await gameday.until.condition(lambda: _never(), 600, "the halt never came")
 
 async def _never() -> bool:
     return False

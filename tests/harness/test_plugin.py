@@ -13,8 +13,8 @@ pytest_plugins = ["pytester"]
 
 CONFTEST = """
 import pytest
-from harness.gameday import GameDay
-from harness.plugin import required_checkers
+from harness.record.gameday import GameDay
+from harness.run.plugin import required_checkers
 
 
 @pytest.fixture
@@ -28,8 +28,8 @@ def gameday(request, tmp_path):
 # read in progress before the kill but never after it.
 HISTORY = """
 import pytest
-from harness.checkers import FinalState, check_all
-from harness.gameday import assert_valid
+from harness.judge.checkers import FinalState, check_all
+from harness.record.gameday import assert_valid
 
 S = 1_000_000_000
 
@@ -97,7 +97,7 @@ def test_fleet_stop(gameday):
 def test_a_required_checker_that_cannot_decide_fails_the_game_day(
         pytester: pytest.Pytester) -> None:
     result = _run(pytester, """
-from harness.checkers import FinalState, check_all
+from harness.judge.checkers import FinalState, check_all
 
 
 def kill_without_reading_back(day):

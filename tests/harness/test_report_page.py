@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from harness.gameday import GameDay
+from harness.act.puppet import LocalPuppet, Puppet
 from harness.nemesis import Nemesis
-from harness.puppet import LocalPuppet, Puppet
+from harness.record.gameday import GameDay
 from harness.report.page import write_page
 from harness.report.specimen import FAULT_ID, specimen_game_day
-from harness.stack import Endpoints
+from harness.stack.base import Endpoints
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 SCREENSHOTS = Path(os.environ.get("COVEY_SCREENSHOT_DIR", "reports"))

@@ -124,7 +124,7 @@ def test_the_trend_page_lists_every_run_of_every_group(tmp_path: Path) -> None:
 
 def test_gameday_gate_exits_1_on_the_regression_and_0_on_noise(tmp_path: Path) -> None:
     history_of(tmp_path, [400, 380, 450, 410, 390, 1200])
-    gate = [sys.executable, "-m", "harness.cli", "gate", "--report-dir", str(tmp_path)]
+    gate = [sys.executable, "-m", "harness.run.cli", "gate", "--report-dir", str(tmp_path)]
     failing = subprocess.run(gate, capture_output=True, text=True, timeout=60)
     assert failing.returncode == 1, failing.stdout + failing.stderr
     assert failing.stdout.splitlines() == [

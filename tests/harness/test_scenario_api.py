@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from harness.client import CoveyClient
-from harness.gameday import GameDay
+from harness.act.client import CoveyClient
+from harness.record.gameday import GameDay
 
 pytest_plugins = ["pytester"]
 Handler = Callable[[httpx.Request], httpx.Response]
@@ -103,8 +103,8 @@ async def test_a_fleet_kill_in_a_fault_must_take_effect_or_say_it_could_not(
 def test_markers_choose_checkers_and_measures(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_choice="""
 import pytest
-from harness.checkers import CHECKERS
-from harness.plugin import chosen_checkers, chosen_measures, required_checkers
+from harness.judge.checkers import CHECKERS
+from harness.run.plugin import chosen_checkers, chosen_measures, required_checkers
 
 @pytest.mark.decides("kill_obeyed")
 @pytest.mark.checkers("home_is_last_sync")

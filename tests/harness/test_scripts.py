@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from harness import scripts
-from harness.puppet import Puppet
+from harness.act import scripts
+from harness.act.puppet import Puppet
 
 
 def tools(script: dict[str, object], n: int) -> list[str]:

@@ -3,9 +3,8 @@ fail it, naming the offending events."""
 
 from __future__ import annotations
 
-from harness.checkers import FinalState, FinalTask
-from harness.nemesis.plane import PLANE
-from harness.switch_checkers import (
+from harness.judge.checkers import FinalState, FinalTask
+from harness.judge.switch_checkers import (
     KILL_CONFIRM_MARGIN_NS,
     PLANE_TARGET,
     TEARDOWN_BOUND_NS,
@@ -16,6 +15,7 @@ from harness.switch_checkers import (
     none_done_twice,
     wake_paths_refused_while_stopped,
 )
+from harness.nemesis.plane import PLANE
 from tests.harness.builders import MS, GameDay
 
 LEASE_MS = 2000
@@ -289,8 +289,8 @@ def test_a_wake_path_no_control_plane_answered_is_not_judged() -> None:
 
 
 def test_a_scenario_may_choose_each_of_them_by_name() -> None:
-    from harness.switch_checkers import SWITCH_CHECKERS
-    from harness.verdicts import KNOWN_CHECKERS
+    from harness.judge.switch_checkers import SWITCH_CHECKERS
+    from harness.judge.verdicts import KNOWN_CHECKERS
 
     names = {c.__name__ for c in SWITCH_CHECKERS}
     assert len(names) == 6 and names <= KNOWN_CHECKERS

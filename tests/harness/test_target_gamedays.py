@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
-from harness.client import CoveyClient, json_of
-from harness.isolation import is_game_day_agent
-from harness.postgres import create_database, drop_database
-from harness.stack import free_port, wait_until_healthy
+from harness.act.client import CoveyClient, json_of
+from harness.stack.base import free_port, wait_until_healthy
+from harness.stack.isolation import is_game_day_agent
+from harness.stack.postgres import create_database, drop_database
 
 pytestmark = pytest.mark.slow
 
@@ -207,25 +207,24 @@ async def test_fleet_stop_three_times_on_one_deployment(deployment: Deployment, 
 FAILS_AFTER_THE_KILL = """
 import asyncio
 
-from harness.client import json_of
-from harness.waiting import eventually
+from harness.act.client import json_of
+from harness.stack.waiting import eventually
 
 
 async def test_fails_after_the_fleet_kill(gameday):
     day = gameday
-    async with day.journaled():
-        agents = [await day.agent("silent") for _ in range(2)]
-        for a in agents:
-            await day.task(a["id"])
+    agents = [await day.agent("silent") for _ in range(2)]
+    for a in agents:
+        await day.task(a["id"])
 
-        async def working():
-            tasks = await day.read_tasks()
-            return all(t["state"] == "in_progress" for t in tasks.values())
-        await eventually(working, 60, "the agents never got to work")
-        json_of(await day.operate("security", "kill_fleet", {},
-                                  day.people["security"].kill_fleet))
-        print("fleet killed", flush=True)
-        {failure}
+    async def working():
+        tasks = await day.read_tasks()
+        return all(t["state"] == "in_progress" for t in tasks.values())
+    await eventually(working, 60, "the agents never got to work")
+    json_of(await day.operate("security", "kill_fleet", {},
+                              day.people["security"].kill_fleet))
+    print("fleet killed", flush=True)
+    {failure}
 """
 FAILURES: dict[str, str] = {
     "failed-assertion": 'assert False, "failed on purpose after the fleet kill"',

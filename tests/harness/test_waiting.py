@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from harness.waiting import eventually
+from harness.stack.waiting import eventually
 
 
 async def test_a_wait_for_an_impossible_outcome_fails_at_once_with_the_reason() -> None:

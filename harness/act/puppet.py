@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from harness import scripts
+from harness.act import scripts
 
 # The header coveyd stamps each model request with: when it sent it (ns, CLOCK_REALTIME).
 # Spelt out, not imported: the harness knows covey only by its wire protocol.
@@ -362,7 +362,7 @@ class RemotePuppet:
 
 
 def main() -> None:
-    """`python -m harness.puppet --port 9000`: the puppet as a service (containers stack)."""
+    """`python -m harness.act.puppet --port 9000`: the puppet as a service (containers stack)."""
     import argparse
 
     import uvicorn

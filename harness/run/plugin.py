@@ -7,29 +7,36 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import inspect
 import os
 import random
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from pathlib import Path
 from typing import Any, Protocol, cast
 
 import pytest
 
-from harness.checkers import CHECKERS, Checker
-from harness.gameday import GameDay, phases
-from harness.isolation import isolation_header
-from harness.measures import MEASURES, Measure
+from harness.judge.bounds import FIGURES
+from harness.judge.checkers import CHECKERS, Checker
+from harness.judge.costs import MEASURES, Measure
+from harness.judge.switch_checkers import CATALOGUE
+from harness.judge.verdicts import KNOWN_CHECKERS, broken_rules, render
 from harness.nemesis import halt
+from harness.record.gameday import GameDay, phases
 from harness.report.summary import (
     game_day_written,
     pytest_sessionfinish,
     pytest_terminal_summary,
 )
-from harness.rollback import RollbackFailed, roll_back_loudly
-from harness.stack import ContainersStack, Endpoints, ProcessesStack, Stack, TargetStack
-from harness.steady import SteadyStateNotMet, prepare
-from harness.switch_checkers import CATALOGUE
-from harness.verdicts import KNOWN_CHECKERS, broken_rules, render
+from harness.run.lifecycle import run_game_day
+from harness.run.rollback import RollbackFailed
+from harness.run.steady import SteadyStateNotMet
+from harness.stack.base import Endpoints, Stack
+from harness.stack.containers import ContainersStack
+from harness.stack.isolation import isolation_header
+from harness.stack.processes import ProcessesStack
+from harness.stack.target import TargetStack
 
 # Hooks of the report's, found by pytest under these names in this plugin module.
 __all__ = ["pytest_sessionfinish", "pytest_terminal_summary"]
@@ -185,8 +192,9 @@ async def reused_stack(request: pytest.FixtureRequest) -> AsyncIterator[Endpoint
 @pytest.fixture
 async def gameday(request: pytest.FixtureRequest, reused_stack: Endpoints | None
                   ) -> AsyncIterator[GameDay]:
-    """A stack brought up for this test (or the run's, with --reuse-stack), with the game
-    day's organisation and people, the steady-state hypothesis checked; rolled back and torn
+    """A stack brought up for this test (or the run's, with --reuse-stack) and the game day
+    on it. Its organisation, people and steady state, its judgement, journal and rollback
+    are run_game_day's, around the test's call (pytest_runtest_call); the stack is torn
     down afterwards, also when the test fails."""
     config = request.config
     refused_by_halt = halt.refusal()
@@ -212,32 +220,59 @@ async def gameday(request: pytest.FixtureRequest, reused_stack: Endpoints | None
                       seed=_seed(config), report_dir=Path(config.getoption("--report-dir")),
                       required=required, scenario=request.node.nodeid,
                       checkers=chosen_checkers(request.node, required),
-                      measures=chosen_measures(request.node))
+                      measures=chosen_measures(request.node),
+                      bounds=chosen_bounds(request.node))
+        phases.info("stack up at %s", endpoints.url)
         try:
-            phases.info("stack up at %s; the steady-state hypothesis, the game day's people",
-                        endpoints.url)
-            refused: str | None = None
-            try:
-                await prepare(day)
-            except SteadyStateNotMet as not_met:
-                refused = str(not_met)
-            if refused is not None:  # outside the except: no chained traceback
-                pytest.fail(refused, pytrace=False)
-            phases.info("the scenario runs")
+            # The test's call runs the scenario inside run_game_day (pytest_runtest_call):
+            # steady state, judgement, journal and rollback are the harness's, not the
+            # scenario's to remember.
             yield day
         finally:
-            left_standing: str | None = None
-            try:
-                phases.info("rolling the game day back")
-                await roll_back_loudly(day)
-            except RollbackFailed as failed:
-                left_standing = str(failed)
-            finally:
-                await day.close()
-                # The page after the rollback: it shows what was restored.
-                game_day_written(request.node, day.journal_path)
-            if left_standing is not None:  # loud, and without a traceback in the way
-                pytest.fail(left_standing, pytrace=False)
+            await day.close()
+            # The page after the rollback: it shows what was restored.
+            game_day_written(request.node, day.journal_path)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    """A game day's test function (a coroutine taking the `gameday` fixture) runs inside
+    run_game_day: prepared, judged, journaled and rolled back whatever it does."""
+    day = getattr(item, "funcargs", {}).get("gameday")
+    scenario = getattr(item, "obj", None)
+    if not isinstance(day, GameDay) or not inspect.iscoroutinefunction(scenario):
+        return (yield)
+    item.obj = owned_by_the_harness(scenario, day)  # type: ignore[attr-defined]
+    try:
+        return (yield)
+    finally:
+        item.obj = scenario  # type: ignore[attr-defined]
+
+
+def owned_by_the_harness(scenario: Callable[..., Awaitable[None]], day: GameDay
+                         ) -> Callable[..., Awaitable[None]]:
+    @functools.wraps(scenario)
+    async def game_day(*args: Any, **kwargs: Any) -> None:
+        __tracebackhide__ = True
+        refused: str | None = None
+        try:
+            async with run_game_day(day):
+                await scenario(*args, **kwargs)
+        except SteadyStateNotMet as not_met:
+            refused = f"the game day did not start: {not_met}"
+        except RollbackFailed as failed:
+            refused = str(failed)
+        if refused is not None:  # outside the except: no chained traceback
+            pytest.fail(refused, pytrace=False)
+    return game_day
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Game days bring a stack up and run for tens of seconds, and Docker tests need an
+    engine: both are `slow`, so `pytest -m "not slow"` is the fast tier of the inner loop."""
+    for item in items:
+        if "gameday" in getattr(item, "fixturenames", ()) or item.get_closest_marker("docker"):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Module | None:
@@ -288,6 +323,7 @@ DECIDES = "decides"
 CHECKERS_MARK = "checkers"
 TICK_MARK = "tick_ms"
 MEASURES_MARK = "measures"
+BOUNDS_MARK = "bounds"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -304,6 +340,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", f"{MEASURES_MARK}(*measures): figures to take beside time-to-stop "
                    f"({', '.join(MEASURES)})")
+    config.addinivalue_line(
+        "markers", f"{BOUNDS_MARK}(**figures): the figures this game day exists for, each "
+                   f"with the most it may reach ({', '.join(FIGURES)}); past it, or not "
+                   f"measured, the game day fails")
 
 
 def marked_checkers(node: pytest.Item | pytest.Collector, mark_name: str) -> frozenset[str]:
@@ -334,6 +374,21 @@ def chosen_checkers(node: pytest.Item | pytest.Collector, required: frozenset[st
     return tuple(c for c in CATALOGUE if c.__name__ in names | required)
 
 
+def chosen_bounds(node: pytest.Item | pytest.Collector) -> dict[str, float]:
+    """The figures a game day's `bounds` markers name, with their bounds."""
+    bounds: dict[str, float] = {}
+    for mark in node.iter_markers(BOUNDS_MARK):
+        for figure, bound in mark.kwargs.items():
+            if figure not in FIGURES:
+                raise pytest.UsageError(f"{node.nodeid}: @pytest.mark.{BOUNDS_MARK} names no "
+                                        f"figure {figure}; figures: {', '.join(FIGURES)}")
+            if not isinstance(bound, int | float) or bound < 0:
+                raise pytest.UsageError(f"{node.nodeid}: the bound of {figure} must be a "
+                                        f"number at least 0, not {bound!r}")
+            bounds.setdefault(figure, float(bound))  # the closest marker wins
+    return bounds
+
+
 def chosen_measures(node: pytest.Item | pytest.Collector) -> dict[str, Measure]:
     names = [str(n) for mark in node.iter_markers(MEASURES_MARK) for n in mark.args]
     unknown = set(names) - set(MEASURES)
@@ -356,9 +411,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
     if not isinstance(day, GameDay):
         return report
     required = required_checkers(item) | day.required
-    text = render(day.verdicts, required, day.history)
+    text = render(day.verdicts, required, day.history, day.seen_broken)
     if text is not None:
-        rules = broken_rules(day.verdicts, required)
+        rules = ([day.seen_broken] if day.seen_broken else []) + broken_rules(
+            day.verdicts, required)
         report.longrepr = cast(Any, VerdictsFirst(text, rules[0] if rules else None,
                                                   report.longrepr))
     return report

@@ -25,10 +25,14 @@ from rich.table import Table
 from harness.load.runner import LoadPlan, LoadResult, load_environment, prepare_fleet, run_load
 from harness.load.runner import run_seconds as _run_seconds
 from harness.nemesis import halt
+from harness.nemesis.watchdog import every_users_state_dir, state_dir
 from harness.report import runs
 from harness.report.page import write_page
 from harness.report.trend import write_index
-from harness.stack import ContainersStack, ProcessesStack, Stack, TargetStack
+from harness.stack.base import Stack
+from harness.stack.containers import ContainersStack
+from harness.stack.processes import ProcessesStack
+from harness.stack.target import TargetStack
 
 app = typer.Typer(help="Game days for the kill switches of a covey agent fleet.",
                   no_args_is_help=True, add_completion=False, rich_markup_mode=None)
@@ -106,7 +110,7 @@ def run(
     terminal = Console(file=os.fdopen(os.dup(1), "w", buffering=1), highlight=False)
     handler = RichHandler(console=terminal, show_path=False, markup=False,
                           log_time_format="[%H:%M:%S]")
-    phases = logging.getLogger("harness.gameday")
+    phases = logging.getLogger("harness.record.gameday")
     phases.setLevel(logging.INFO)
     phases.addHandler(handler)
     try:
@@ -122,24 +126,32 @@ def halt_command(
         = "halted by hand",
     release: Annotated[bool, typer.Option("--release", help="release a standing halt: game "
                                           "days may start again")] = False,
+    all_users: Annotated[bool, typer.Option("--all-users", help="every user's game days on "
+                                            "this machine, not only yours")] = False,
 ) -> None:
-    """The harness's own stop switch: heal every standing fault of every game day on this
-    machine at once, stop the running game days (their journals say `aborted` with the
-    reason), and refuse new ones until `gameday halt --release`."""
+    """The harness's own stop switch: heal every standing fault of your game days on this
+    machine at once (every user's with --all-users), stop the running game days (their
+    journals say `aborted` with the reason), and refuse new ones until `gameday halt
+    --release`."""
+    roots = every_users_state_dir() if all_users else [state_dir()]
     if release:
-        released = halt.release()
-        console.print("no halt stood" if released is None
-                      else f"halt released (it stood since {released['at']}: "
-                           f"{released['reason']})")
+        for root in roots:
+            released = halt.release(root)
+            console.print(f"{root}: no halt stood" if released is None
+                          else f"{root}: halt released (it stood since {released['at']}: "
+                               f"{released['reason']})")
         return
-    pulled = halt.pull(reason)
-    console.print(f"halt pulled ({reason}): {len(pulled.healed)} faults healed, "
-                  f"{len(pulled.stopped_harnesses)} game days stopped "
-                  f"{pulled.stopped_harnesses or ''}".rstrip())
-    for fault_id, why in pulled.failed.items():
-        console.print(f"  could not heal {fault_id}: {why}")
+    failed = False
+    for root in roots:
+        pulled = halt.pull(reason, root)
+        console.print(f"{root}: halt pulled ({reason}): {len(pulled.healed)} faults healed, "
+                      f"{len(pulled.stopped_harnesses)} game days stopped "
+                      f"{pulled.stopped_harnesses or ''}".rstrip())
+        for fault_id, why in pulled.failed.items():
+            console.print(f"  could not heal {fault_id}: {why}")
+        failed = failed or bool(pulled.failed)
     console.print("new game days are refused until `gameday halt --release`")
-    if pulled.failed:
+    if failed:
         raise typer.Exit(1)
 
 

@@ -1,10 +1,10 @@
 """Checkers of the switches' rules that random game days exercise (DESIGN §2.3): no task
 lost, none done twice, every kill confirmed within the lease, no sandbox left up once a stop's
 teardown bound has passed, fleet resume keeping the kills each agent's own switch made, and
-every wake path refused while a stop stands. Pure judges, as in harness/checkers.py: the
+every wake path refused while a stop stands. Pure judges, as in harness/judge/checkers.py: the
 verdict points at the events that prove it, and `unknown` is never a pass.
 
-What they read beside harness/checkers.py's events:
+What they read beside harness/judge/checkers.py's events:
 * `lease` (`{"lease_ms"}`): the kill-flag lease the stack's daemons hold;
 * `sandbox` (`{"agent_id", "sandbox_id", "state", "created_ns", "ended_ns",
   "daemon_exited_ns"}`): one sandbox's life as the control plane recorded it (`ended_ns`:
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from harness.checkers import (
+from harness.judge.checkers import (
     ALL_CHECKERS,
     KILL_DELIVERY_F,
     TASK_STATE_F,
@@ -31,8 +31,8 @@ from harness.checkers import (
     _ms,
     _sentence,
 )
-from harness.history import History
-from harness.stops import KILL_SCOPES, holding, stops
+from harness.judge.stops import KILL_SCOPES, holding, stops
+from harness.record.history import History
 
 LEASE_F = "lease"
 SANDBOX_F = "sandbox"

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 from hdrh.histogram import HdrHistogram
 
-from harness.checkers import ACTION_F, FinalState, sent_at, task_reads, tasks_in_progress_at
-from harness.history import History, Operation
-from harness.stops import Stop, stops
+from harness.judge.checkers import ACTION_F, FinalState, sent_at, task_reads, tasks_in_progress_at
+from harness.judge.stops import Stop, stops
+from harness.record.history import History, Operation
 
 PARTS = ("kill_acknowledged", "last_action", "daemon_exit", "sandbox_gone", "tasks_requeued")
 TOTAL = "total"

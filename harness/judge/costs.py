@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from harness.checkers import (
+from harness.judge.checkers import (
     ACTION_F,
     FAILING_SERVICE_CALL_F,
     HOME_FILES_F,
@@ -26,7 +26,7 @@ from harness.checkers import (
     SESSION_END_F,
     FinalState,
 )
-from harness.history import Event, History
+from harness.record.history import Event, History
 
 Measure = Callable[[History, FinalState], dict[str, Any]]
 # Labels of home_files: the home at its last sync (read before the kill), the killed

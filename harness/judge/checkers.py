@@ -1,7 +1,7 @@
 """Checkers: pure functions from a game day's history (and what the harness read at the end)
 to a verdict that points at the events proving it. The run only records; these judge after.
 
-What they read from the history (see harness.history and harness.stops):
+What they read from the history (see harness.record.history and harness.judge.stops):
 * `kill_agent`, `kill_fleet`, `resume_agent`, `resume_fleet`: operator operations;
 * `action` by process `agent:<id>`: one entry of the puppet model's ledger, at its own time,
   with `value["sent_ns"]`, when the daemon sent the request (None: it did not say);
@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, NotRequired, TypedDict
 
-from harness.history import Event, History, Operation
-from harness.stops import RESUME_SCOPES, Stop, holding, stops
+from harness.judge.stops import RESUME_SCOPES, Stop, holding, stops
+from harness.record.history import Event, History, Operation
 
 Validity = bool | Literal["unknown"]
 
@@ -128,6 +128,14 @@ def no_action_after_kill_ack(history: History, final: FinalState) -> Verdict:
         return Verdict(name, "unknown", "No kill was acknowledged in this game day, so there is "
                        "no stop to judge the agents' actions against.")
     actions = [op for op in history.operations(ACTION_F) if op.agent_id is not None]
+    if not any(s.covers(_agent(a), final.org_of(_agent(a)))
+               for a in actions for s in acknowledged):
+        # Silence after a kill shows nothing when no agent it stopped was ever seen acting:
+        # the puppet's ledger was not copied, or the agents were idle.
+        return Verdict(name, "unknown", f"No agent that a kill stopped was seen acting at all "
+                       f"({_count(len(actions), 'action')} in the history against "
+                       f"{_count(len(acknowledged), 'kill')}), so nothing shows the kill "
+                       f"stopped anything.", tuple(s.kill.last_index for s in acknowledged))
     deliveries = [d for d in history.operations(KILL_DELIVERY_F)
                   if d.agent_id is not None and d.value.get("confirmed_by") == "kill_ack"
                   and isinstance(d.value.get("sent_ns"), int)]
@@ -208,6 +216,12 @@ def in_progress_requeued(history: History, final: FinalState) -> Verdict:
         return Verdict(name, "unknown", "No kill was acknowledged in this game day, so no "
                        "task had to be requeued.")
     reads = task_reads(history)
+    unread = [s for s in all_stops
+              if not any(r.end_ns is not None and r.end_ns < s.kill.start_ns for r in reads)]
+    if len(unread) == len(all_stops):
+        return Verdict(name, "unknown", f"No task was read before any of the "
+                       f"{_count(len(all_stops), 'kill')}, so nothing shows which tasks were "
+                       f"in progress when it came.", tuple(s.kill.last_index for s in unread))
     failures: list[str] = []
     unclear: list[str] = []
     evidence: set[int] = set()
@@ -292,6 +306,10 @@ def no_wake_of_stopped_agent(history: History, final: FinalState) -> Verdict:
     wakes = [op for op in history.operations(WAKE_FS)
              if op.type == "ok" and op.end_ns is not None and op.agent_id is not None
              and op.value.get("outcome", "started") == "started"]
+    if not wakes:
+        return Verdict(name, "unknown", "No session start or wake of any agent is in the "
+                       "history (the sessions were not read back), so no wake during a stop "
+                       "could have been seen.", tuple(s.kill.last_index for s in acknowledged))
     lines: list[str] = []
     evidence: set[int] = set()
     for wake in wakes:
@@ -401,10 +419,10 @@ def kill_obeyed(history: History, final: FinalState,
 
 
 GUARD_LAYERS = ("budget", "steps", "loop", "circuit_breaker")
-HOME_FILES_F = "home_files"  # {"agent_id", "label", "files": {path: bytes}}; harness.measures
+HOME_FILES_F = "home_files"  # {"agent_id", "label", "files": {path: bytes}}; harness.judge.costs
 HOME_SYNC_F = "home_sync"  # by `agent:<id>`, {"sandbox_id"}: a sandbox's last sync to the home
 # {"agent_id", "remains": [what]}: what of the agent's sandboxes the harness found on the
-# machine itself (harness/remains.py): processes, containers; empty when nothing.
+# machine itself (harness/record/remains.py): processes, containers; empty when nothing.
 SANDBOX_REMAINS_F = "sandbox_remains"
 
 
@@ -521,8 +539,23 @@ ALL_CHECKERS: tuple[Checker, ...] = (*CHECKERS, home_is_last_sync, no_blind_rest
                                      nothing_left_of_killed_agent)
 
 
+def judge_all(checkers: Iterable[Checker], history: History, final: FinalState
+              ) -> list[Verdict]:
+    """Every checker's verdict. A checker that raises is `unknown` with its error, and the
+    others stand: one broken judge must not lose the game day's other verdicts."""
+    verdicts = []
+    for checker in checkers:
+        try:
+            verdicts.append(checker(history, final))
+        except Exception as exc:
+            verdicts.append(Verdict(checker.__name__, "unknown",
+                                    f"The checker itself failed on this history, so it "
+                                    f"decided nothing: {exc!r}."))
+    return verdicts
+
+
 def check_all(history: History, final: FinalState) -> list[Verdict]:
-    return [checker(history, final) for checker in CHECKERS]
+    return judge_all(CHECKERS, history, final)
 
 
 def task_reads(history: History) -> list[Operation]:

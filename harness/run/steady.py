@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from harness.client import CoveyClient, json_of
-from harness.isolation import agent_slug, organisation_for
-from harness.waiting import eventually
+from harness.act.client import CoveyClient, json_of
+from harness.stack.isolation import agent_slug, organisation_for
+from harness.stack.waiting import eventually
 
 if TYPE_CHECKING:
-    from harness.gameday import GameDay
+    from harness.record.gameday import GameDay
 
 PROBE_DEADLINE_S = 60.0
 
@@ -167,7 +167,7 @@ async def puppet_holds(day: GameDay) -> None:
 
 async def prepare(day: GameDay) -> None:
     """Before a game day: the control plane answers; then its organisation (see
-    harness/isolation.py), whose fleet must be running; its people; the puppet reachable. A
+    harness/stack/isolation.py), whose fleet must be running; its people; the puppet reachable. A
     game day the hypothesis refuses writes a journal saying which probe failed (status
     `not_started`) and does not start."""
     try:

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from harness.client import json_of
-from harness.isolation import strangers_stopped
+from harness.act.client import json_of
+from harness.stack.isolation import strangers_stopped
 
 if TYPE_CHECKING:
-    from harness.gameday import GameDay
-    from harness.operator import Operator
+    from harness.act.operator import Operator
+    from harness.record.gameday import GameDay
 
 STOPPED = {"error": "Agent or fleet is stopped", "hint": "resume it first."}
 LIVE = ("starting", "running")

@@ -13,10 +13,10 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from harness.client import CoveyClient, json_of
+from harness.act.client import CoveyClient, json_of
 
 if TYPE_CHECKING:
-    from harness.gameday import GameDay
+    from harness.record.gameday import GameDay
 
 # Every agent a game day creates carries this prefix in its slug, so that a later game day
 # in the same organisation can tell agents of game days from the deployment's own.

@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "scripts"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "scripts"
 KINDS = ("write_files", "shell", "spend", "fail_tool", "read_file", "write_file", "repeat",
          "cycle", "finish")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from harness.history import History, Operation
+from harness.record.history import History, Operation
 
 Scope = Literal["agent", "fleet"]
 KILL_SCOPES: dict[str, Scope] = {"kill_agent": "agent", "kill_fleet": "fleet"}

@@ -9,20 +9,25 @@ when it can no longer happen.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from harness.client import json_of
-from harness.waiting import eventually
+from harness.act.client import ApiFailure, json_of
+from harness.stack.waiting import eventually
 
 if TYPE_CHECKING:
-    from harness.client import CoveyClient
-    from harness.gameday import GameDay
+    from harness.act.client import CoveyClient
     from harness.nemesis import FaultRecord
+    from harness.record.gameday import GameDay
 
 AgentRef = dict[str, Any] | str
+# The read of every task before a kill must not hold the switch back when the control plane
+# is slow to answer (a database outage): past this, the kill goes without it.
+READ_BEFORE_KILL_S = 1.0
+READ_AFTER_KILL_S = 10.0
 LIVE_SANDBOX = ("starting", "running")
 
 
@@ -39,8 +44,26 @@ class Operator:
 
     async def kill_agent(self, agent: AgentRef) -> httpx.Response:
         a = _id(agent)
-        return await self.day.operate(self.role, "kill_agent", {"agent_id": a},
-                                      lambda: self.client.kill_agent(a))
+        return await self._around_a_kill(self.day.operate(
+            self.role, "kill_agent", {"agent_id": a}, lambda: self.client.kill_agent(a)))
+
+    async def _around_a_kill(self, kill: Awaitable[httpx.Response]) -> httpx.Response:
+        """Every task read right before the kill is sent and again after its answer: what
+        was in progress when it came and what it left, for the requeue checkers, which
+        otherwise have nothing to judge. A read that fails (a fault stands) is left out:
+        the checkers then say what they lacked."""
+        await self._read_tasks(READ_BEFORE_KILL_S)
+        answer = await kill
+        if answer.is_success:
+            await self._read_tasks(READ_AFTER_KILL_S)
+        return answer
+
+    async def _read_tasks(self, within_s: float) -> None:
+        try:
+            async with asyncio.timeout(within_s):
+                await self.day.read_tasks()
+        except (TimeoutError, httpx.HTTPError, ApiFailure):
+            pass
 
     async def resume_agent(self, agent: AgentRef) -> httpx.Response:
         a = _id(agent)
@@ -48,7 +71,8 @@ class Operator:
                                       lambda: self.client.resume_agent(a))
 
     async def kill_fleet(self) -> httpx.Response:
-        return await self.day.operate(self.role, "kill_fleet", {}, self.client.kill_fleet)
+        return await self._around_a_kill(self.day.operate(self.role, "kill_fleet", {},
+                                                          self.client.kill_fleet))
 
     async def resume_fleet(self) -> httpx.Response:
         return await self.day.operate(self.role, "resume_fleet", {}, self.client.resume_fleet)

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from harness.client import ApiFailure, CoveyClient, json_of
+from harness.act.client import ApiFailure, CoveyClient, json_of
 from harness.nemesis import halt
-from harness.steady import standing_stop
-from harness.waiting import eventually
+from harness.run.steady import standing_stop
+from harness.stack.waiting import eventually
 
 if TYPE_CHECKING:
-    from harness.gameday import GameDay
+    from harness.record.gameday import GameDay
 
 SANDBOXES_GONE_S = 60.0
 RUNNING = ("starting", "running")

@@ -14,17 +14,36 @@ from __future__ import annotations
 import json
 from collections.abc import Collection, Iterable
 
-from harness.checkers import Verdict
-from harness.history import Event, History
-from harness.switch_checkers import CATALOGUE
+from harness.judge.bounds import BOUND_PREFIX
+from harness.judge.checkers import Verdict
+from harness.judge.switch_checkers import CATALOGUE
+from harness.record.history import Event, History
 
 KNOWN_CHECKERS = frozenset(c.__name__ for c in CATALOGUE)
 EVENTS_SHOWN = 8
 VALUE_CHARS = 200
+# Which broken rule leads when several broke: the switch's own promises first (the daemon
+# obeyed, nothing of the agent left, no action after the stop, no wake while it stood), the
+# bounded figures, then what follows from them (work requeued, done once after resume). A
+# reader fixes the first line first; the later ones are often its consequences.
+RULE_ORDER = ("kill_obeyed", "kill_confirmed_within_lease", "nothing_left_of_killed_agent",
+              "no_sandbox_alive_after_stop", "no_action_after_kill_ack", BOUND_PREFIX,
+              "no_wake_of_stopped_agent", "wake_paths_refused_while_stopped",
+              "fleet_resume_keeps_own_kills", "no_blind_restart_after_trip",
+              "in_progress_requeued", "home_is_last_sync", "no_task_lost", "none_done_twice",
+              "each_task_done_once_after_resume", "every_fault_healed")
+
+
+def _rank(v: Verdict) -> int:
+    for i, name in enumerate(RULE_ORDER):
+        if v.checker == name or (name == BOUND_PREFIX and v.checker.startswith(name)):
+            return i
+    return len(RULE_ORDER)
 
 
 def failed(verdicts: Iterable[Verdict]) -> list[Verdict]:
-    return [v for v in verdicts if v.valid is False]
+    """The failed verdicts, the switch's own promises first (RULE_ORDER)."""
+    return sorted((v for v in verdicts if v.valid is False), key=_rank)
 
 
 def undecided(verdicts: Iterable[Verdict], required: Collection[str]) -> list[Verdict]:
@@ -49,22 +68,31 @@ def broken_rules(verdicts: list[Verdict], required: Collection[str]) -> list[str
     return lines
 
 
-def render(verdicts: list[Verdict], required: Collection[str], history: History) -> str | None:
-    """The verdicts' part of a failure report: the failed ones, then the undecided ones
-    (required first), each with its events. None when there is nothing to say."""
+def render(verdicts: list[Verdict], required: Collection[str], history: History,
+           seen_broken: str | None = None) -> str | None:
+    """The verdicts' part of a failure report: the rule the scenario saw broken as it went
+    on (`seen_broken`: a refused role let through, an exit code), the failed verdicts, then
+    the undecided ones (required first), each with its events. After a failure, an
+    undecided verdict is marked as what it most likely is: a consequence (the game day
+    broke off before it could show that rule). None when there is nothing to say."""
     broken = failed(verdicts)
     unknown = sorted((v for v in verdicts if v.valid == "unknown"),
                      key=lambda v: v.checker not in required)
     absent = missing(verdicts, required)
-    if not (broken or unknown or absent):
+    if not (seen_broken or broken or unknown or absent):
         return None
     origin = history[0].time_ns if len(history) else 0
     out = ["Game-day verdicts: the rules this run broke or could not decide"]
+    if seen_broken:
+        out += [f"BROKEN RULE, seen as the game day went on: {seen_broken}",
+                "    (the scenario stopped there; what it had not yet done follows from it)"]
     for v in broken:
         out += [f"FAILED {v.checker}: {v.message}", *_events(v, history, origin)]
+    after = " (likely a consequence of the broken rule above)" \
+        if seen_broken or broken else ""
     for v in unknown:
         label = "UNDECIDED, required" if v.checker in required else "undecided"
-        out += [f"{label} {v.checker}: {v.message}", *_events(v, history, origin)]
+        out += [f"{label} {v.checker}{after}: {v.message}", *_events(v, history, origin)]
     for name in absent:
         out.append(f"MISSING {name}: this game day must decide it, but no such checker ran")
     return "\n".join(out)

@@ -10,8 +10,7 @@ import asyncio
 import json
 import logging
 import platform
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,7 +19,12 @@ from typing import Any, Literal
 import httpx
 from faker import Faker
 
-from harness.checkers import (
+from harness.act.client import CoveyClient, json_of
+from harness.act.expect import Expect
+from harness.act.operator import Operator, Until
+from harness.act.puppet import Behaviour, behaviour_name, resolve
+from harness.judge.bounds import BOUND_PREFIX, Figure, bounded_figures
+from harness.judge.checkers import (
     CHECKERS,
     FAILING_SERVICE_CALL_F,
     HOME_FILES_F,
@@ -33,23 +37,21 @@ from harness.checkers import (
     FinalState,
     FinalTask,
     Verdict,
+    judge_all,
 )
-from harness.client import CoveyClient, json_of
-from harness.expect import Expect
-from harness.history import History
-from harness.isolation import Organisation, agent_slug, run_id
-from harness.measure import TimeToStop, summarize, time_to_stop
-from harness.measures import Measure
-from harness.nemesis import halt
-from harness.operator import Operator, Until
-from harness.puppet import Behaviour, behaviour_name, resolve
-from harness.remains import remains_of
-from harness.stack import Endpoints
-from harness.switch_checkers import LEASE_F, SANDBOX_F
-from harness.verdicts import broken_rules
+from harness.judge.costs import Measure
+from harness.judge.switch_checkers import LEASE_F, SANDBOX_F
+from harness.judge.time_to_stop import TimeToStop, summarize, time_to_stop
+from harness.judge.verdicts import broken_rules
+from harness.record.history import History
+from harness.record.remains import remains_of
+from harness.run.rollback import roll_back_loudly
+from harness.run.steady import prepare
+from harness.stack.base import Endpoints
+from harness.stack.isolation import Organisation, agent_slug, run_id
 
 # The game day's phases as they happen, for whoever listens (`gameday run` shows them).
-phases = logging.getLogger("harness.gameday")
+phases = logging.getLogger("harness.record.gameday")
 ROLES = ("agent_owner", "security", "auditor", "controlling")
 GAME_DAY_MAX_TURNS = 10_000
 GAME_DAY_GUARD = {"max_tokens": 10_000_000, "max_tool_calls": 100_000, "max_wall_s": 3600.0}
@@ -104,12 +106,17 @@ class Outcome:
     journal: Path | None = None
 
 
+class VerdictsBroken(AssertionError):
+    """The game day's verdicts broke rules: the report's verdicts say which, first."""
+
+
 def assert_valid(verdicts: list[Verdict], required: frozenset[str] = frozenset()) -> None:
     """Fail with every failed verdict, and every `unknown` one of a checker in `required`,
     each naming the events that prove it."""
     __tracebackhide__ = True  # the scenario's call is the line to show
     broken = broken_rules(verdicts, required)
-    assert not broken, "\n".join(broken)
+    if broken:
+        raise VerdictsBroken("\n".join(broken))
 
 
 @dataclass
@@ -135,7 +142,15 @@ class GameDay:
     checkers: tuple[Checker, ...] = CHECKERS
     measures: dict[str, Measure] = field(default_factory=dict)
     measurements: dict[str, Any] = field(default_factory=dict)
-    # Isolation, steady-state hypothesis and rollback (harness/isolation.py, steady.py,
+    # The figures this game day exists for, each with the bound its scenario states
+    # (`bounds` marker, harness/judge/bounds.py), and what they read at the judgement.
+    bounds: dict[str, float] = field(default_factory=dict)
+    figures: list[Figure] = field(default_factory=list)
+    # What the game day concluded (harness/run/lifecycle.py fills it in), and the rule the
+    # scenario saw broken as it went on, if it stopped on one: what a failure leads with.
+    outcome: Outcome = field(default_factory=Outcome)
+    seen_broken: str | None = None
+    # Isolation, steady-state hypothesis and rollback (harness/stack/isolation.py, steady.py,
     # rollback.py): where the game day runs, its probe agents, and their journal sections.
     run_id: str = field(default_factory=run_id)
     organisation: Organisation | None = None
@@ -148,6 +163,8 @@ class GameDay:
     fake: Faker = field(init=False)
 
     def __post_init__(self) -> None:
+        # A bounded figure must be judged: unknown fails the game day like a `decides`.
+        self.required = frozenset(self.required) | {BOUND_PREFIX + n for n in self.bounds}
         self.fake = Faker()
         self.fake.seed_instance(self.seed)
 
@@ -174,7 +191,7 @@ class GameDay:
                     owner: str | None = None) -> dict[str, Any]:
         """An agent of this game day whose model answers with `behaviour`: a built-in
         behaviour's name, a script of fixtures/scripts by name, or a script inline
-        (harness/scripts.py). Its step, token, tool-call and time limits are out of reach
+        (harness/act/scripts.py). Its step, token, tool-call and time limits are out of reach
         unless `guard` sets them: a game day's agents stop because of the switch, fault or
         guard layer under test, not because a long-running behaviour used up its default 20
         steps. `guard` takes the API's guard thresholds (loop_repeats, breaker_failures, ...);
@@ -316,7 +333,7 @@ class GameDay:
     def read_home(self, agent_id: str, label: str, sandbox_id: str | None = None
                   ) -> dict[str, int]:
         """The files of a home (path: bytes), recorded as a `home_files` observation under
-        `label` (harness.measures: last_sync, sandbox_at_kill, restored)."""
+        `label` (harness.judge.costs: last_sync, sandbox_at_kill, restored)."""
         root = self.home_dir(agent_id, sandbox_id)
         files = {str(p.relative_to(root)): p.stat().st_size
                  for p in sorted(root.rglob("*")) if p.is_file()} if root.is_dir() else {}
@@ -326,7 +343,7 @@ class GameDay:
 
     async def remains(self, agent_id: str, record: bool = True) -> list[str] | None:
         """What of the agent's sandboxes still exists on this machine, looked at directly
-        (harness/remains.py), recorded as a `sandbox_remains` observation; None where the
+        (harness/record/remains.py), recorded as a `sandbox_remains` observation; None where the
         stack's sandboxes are not on this machine."""
         found = await asyncio.to_thread(remains_of, self.stack, agent_id)
         if record and found is not None:
@@ -456,53 +473,45 @@ class GameDay:
                                      {**value, "healed_by": fault.healed_by},
                                      time_ns=fault.healed_ns)
 
-    async def judge(self) -> tuple[list[Verdict], list[TimeToStop], FinalState]:
-        """Judge after the fact. Faults still standing are judged as they are: unhealed."""
-        phases.info("judging the history")
+    async def prepare(self) -> None:
+        """The steady-state hypothesis, the game day's organisation and people
+        (harness/run/steady.py); SteadyStateNotMet when the system is not fit to start."""
+        await prepare(self)
+
+    async def collect(self) -> FinalState:
+        """What the checkers judge, read back after the scenario: the faults, the puppet's
+        ledger, sandboxes and sessions at the control plane's times, the final state."""
         await self.endpoints.nemesis.refresh()
         if self.endpoints.lease_ms is not None:
             self.history.observe(OBSERVER, LEASE_F, {"lease_ms": self.endpoints.lease_ms})
         self.copy_faults()
         await self.copy_ledger()
         await self.copy_sandboxes_and_sessions()
-        final = await self.final_state()
-        self.verdicts = [checker(self.history, final) for checker in self.checkers]
+        return await self.final_state()
+
+    async def roll_back(self) -> None:
+        """Leave the system as the game day found it (harness/run/rollback.py); RollbackFailed
+        with what is left standing."""
+        await roll_back_loudly(self)
+
+    async def judge(self) -> tuple[list[Verdict], list[TimeToStop], FinalState]:
+        """Judge after the fact. Faults still standing are judged as they are: unhealed. A
+        checker that raises is `unknown` with its error; the other verdicts stand."""
+        phases.info("judging the history")
+        final = await self.collect()
+        self.verdicts = judge_all(self.checkers, self.history, final)
         for name, measure in self.measures.items():
             self.measurements[name] = measure(self.history, final)
+        self.figures = bounded_figures(self.bounds, self.history, final)
+        self.verdicts += [f.verdict() for f in self.figures]
+        if self.figures:
+            self.measurements["bounded"] = {f.name: f.to_json() for f in self.figures}
         return self.verdicts, time_to_stop(self.history, final), final
 
-    @asynccontextmanager
-    async def journaled(self) -> AsyncIterator[Outcome]:
-        """Run a scenario's body; whatever happens, judge (if the body did not) and write the
-        journal: `completed`, `failed` on a failed assertion or verdict (an `unknown` of a
-        required checker included), `aborted` on anything else."""
-        outcome = Outcome()
-        status = "aborted"
-        try:
-            yield outcome
-            if outcome.final is None:
-                await self.judged(outcome)
-            assert_valid(outcome.verdicts, self.required)
-            status = "completed"
-        except AssertionError:
-            status = "failed"
-            raise
-        except BaseException as exc:  # Ctrl-C, SIGTERM, the halt switch, a broken stack
-            self.aborted_reason = halt.abort_reason(exc)
-            self.notes.append(f"aborted: {self.aborted_reason}")
-            raise
-        finally:
-            if outcome.final is None:
-                try:
-                    outcome.verdicts, outcome.samples, outcome.final = await self.judge()
-                except Exception as exc:  # the journal still says what happened
-                    self.notes.append(f"judging failed: {exc!r}")
-            outcome.journal = self.journal(status, outcome.verdicts, outcome.samples,
-                                           outcome.steady_after)
-            print(f"journal: {outcome.journal} ({status})")
-
-    async def judged(self, outcome: Outcome) -> FinalState:
-        """Judge now (after the scenario's last operation) into `outcome`."""
+    async def judged(self, outcome: Outcome | None = None) -> FinalState:
+        """Judge now (after the scenario's last operation, when it reads the verdicts
+        itself); the game day's end does not judge again."""
+        outcome = self.outcome if outcome is None else outcome
         outcome.verdicts, outcome.samples, outcome.final = await self.judge()
         return outcome.final
 

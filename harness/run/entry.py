@@ -39,7 +39,7 @@ def missing() -> list[str]:
 
 
 # pytest registers this module for the entry point, then imports what it names here.
-pytest_plugins = [] if missing() else ["harness.plugin"]
+pytest_plugins = [] if missing() else ["harness.run.plugin"]
 
 
 def gameday() -> None:
@@ -48,6 +48,6 @@ def gameday() -> None:
     if lacking:
         sys.exit(f"gameday needs the harness, and {', '.join(lacking)} "
                  f"{'is' if len(lacking) == 1 else 'are'} not installed: {INSTALL_HINT}")
-    from harness.cli import app
+    from harness.run.cli import app
 
     app()
