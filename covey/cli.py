@@ -13,7 +13,7 @@ from types import FrameType
 import asyncpg
 import structlog
 
-from covey.config import ConfigError, Settings
+from covey.config import ConfigError, Settings, model_url_warning
 
 log = structlog.get_logger(__name__)
 
@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> None:
 
         from covey.app import create_app
 
+        warning = model_url_warning(settings)
+        if warning:
+            log.warning(warning)
         app = create_app(settings, host=args.host, port=args.port)
         # log_config=None: uvicorn's loggers write through ours, which redact tokens.
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", log_config=None,

@@ -49,7 +49,8 @@ class Settings:
     # Variables of the control plane's own environment that sandboxes get; nothing else of it
     # (a sandbox must not see DATABASE_URL). COVEY_SANDBOX_PASS_ENV adds names.
     sandbox_pass_env: tuple[str, ...] = ("COVEY_MODEL_API_KEY", "COVEY_MODEL_PRICES",
-                                         "COVEY_LOG_LEVEL")
+                                         "COVEY_MODEL_MAX_TOKENS_FIELD", "COVEY_MODEL_RETRIES",
+                                         "COVEY_MODEL_BACKOFF_MS", "COVEY_LOG_LEVEL")
     sandbox_image: str = "covey-gameday:latest"
     docker_network: str = "host"
     gameday: str = ""
@@ -121,3 +122,18 @@ class Settings:
             switch_connections=_int_env(env, "COVEY_SWITCH_CONNECTIONS", 4, 1),
             sandbox_cpu_group=cpu_group,
         )
+
+
+# Where coveyd asks when COVEY_MODEL_URL is not set (covey.coveyd.DEFAULT_MODEL_URL): a
+# local Ollama's OpenAI-compatible API.
+DAEMON_DEFAULT_MODEL_URL = "http://127.0.0.1:11434/v1"
+
+
+def model_url_warning(settings: Settings) -> str | None:
+    """What `covey serve` says at start when no model endpoint is configured: every session
+    would otherwise fail on its first model call with nothing said where the operator looks."""
+    if settings.model_url:
+        return None
+    return (f"COVEY_MODEL_URL is not set: each sandbox's coveyd will ask "
+            f"{DAEMON_DEFAULT_MODEL_URL} (a local Ollama); when nothing answers there, "
+            "every task is blocked with 'model endpoint ... unreachable'")

@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -34,7 +35,16 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 
 from covey import __version__
-from covey.guard import Guard, KillFlag, LeaseExpiredTrip, Limits, ToolStoppedTrip, Trip
+from covey.config import DAEMON_DEFAULT_MODEL_URL
+from covey.guard import (
+    Guard,
+    KillFlag,
+    LeaseExpiredTrip,
+    Limits,
+    ToolStoppedTrip,
+    Trip,
+    prompt_token_bound,
+)
 from covey.tools import SCHEMAS, RunningTool, Toolbox, ToolCut, become_subreaper
 
 log = logging.getLogger("coveyd")
@@ -66,6 +76,15 @@ DEFAULT_PRICES: dict[str, tuple[float, float]] = {
     "gpt-4o": (2.50, 10.00),
 }
 
+# Where coveyd asks when COVEY_MODEL_URL is not set: a local Ollama's OpenAI-compatible API
+# (`covey serve` warns at start that it will).
+DEFAULT_MODEL_URL = DAEMON_DEFAULT_MODEL_URL
+# Answers of the model endpoint worth asking again: rate limited, or the server's own trouble
+# (and no answer at all). Any other 4xx (a mistyped model name, a bad key) is the same on
+# every try: the task is blocked with the endpoint's own words, not retried.
+RETRIED_STATUSES = frozenset({408, 429})
+BACKOFF_CAP_S = 30.0
+
 SYSTEM_PROMPT = (
     "You are an agent working one task in a sandbox. Use the tools; call finish with the "
     "result when the task is done."
@@ -74,6 +93,34 @@ SYSTEM_PROMPT = (
 
 class DaemonError(Exception):
     """A failure that ends the daemon with exit code 1 and this message."""
+
+
+class ModelError(Exception):
+    """The model endpoint refused a call (a 4xx other than a rate limit), or still failed
+    after its retries: the task is blocked with this, and the session ends saying it."""
+
+    def __init__(self, status: int | None, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def retried(status: int) -> bool:
+    return status in RETRIED_STATUSES or status >= 500
+
+
+def endpoint_message(response: httpx.Response) -> str:
+    """What the endpoint said, in the error shapes OpenAI-compatible servers use."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:300] or response.reason_phrase
+    if isinstance(body, dict):
+        error = body.get("error", body.get("detail", body))
+        if isinstance(error, dict):
+            error = error.get("message", error)
+        return str(error)[:300]
+    return str(body)[:300]
 
 
 @dataclass
@@ -86,6 +133,11 @@ class Env:
     model_key: str
     prices: dict[str, tuple[float, float]]
     home: Path
+    # The request field that carries the completion cap: `max_tokens`, or
+    # `max_completion_tokens` for endpoints that want that (OpenAI's reasoning models).
+    max_tokens_field: str = "max_tokens"
+    model_retries: int = 4
+    model_backoff_s: float = 0.5
 
     @classmethod
     def load(cls) -> Env:
@@ -93,24 +145,50 @@ class Env:
                    if not os.environ.get(k)]
         if missing:
             raise DaemonError(f"missing environment: {', '.join(missing)}")
-        prices = dict(DEFAULT_PRICES)
-        raw = os.environ.get("COVEY_MODEL_PRICES")
-        if raw:
-            try:
-                prices.update({k: (float(v[0]), float(v[1])) for k, v in json.loads(raw).items()})
-            except (ValueError, TypeError, IndexError, AttributeError) as exc:
-                raise DaemonError(f"COVEY_MODEL_PRICES is not {{model: [in, out]}}: {exc}"
-                                  ) from None
+        prices = model_prices(os.environ.get("COVEY_MODEL_PRICES"))
+        field_name = os.environ.get("COVEY_MODEL_MAX_TOKENS_FIELD") or "max_tokens"
+        if field_name not in ("max_tokens", "max_completion_tokens"):
+            raise DaemonError(f"COVEY_MODEL_MAX_TOKENS_FIELD={field_name!r}: use max_tokens or "
+                              "max_completion_tokens")
+        try:
+            retries = int(os.environ.get("COVEY_MODEL_RETRIES") or 4)
+            backoff_ms = int(os.environ.get("COVEY_MODEL_BACKOFF_MS") or 500)
+        except ValueError as exc:
+            raise DaemonError(f"COVEY_MODEL_RETRIES and COVEY_MODEL_BACKOFF_MS are whole "
+                              f"numbers: {exc}") from None
         return cls(
             ws_url=os.environ["COVEY_WS_URL"],
             token=os.environ["COVEY_DAEMON_TOKEN"],
             agent_id=os.environ["COVEY_AGENT_ID"],
             sandbox_id=os.environ.get("COVEY_SANDBOX_ID", ""),
-            model_url=os.environ.get("COVEY_MODEL_URL", "http://127.0.0.1:11434/v1").rstrip("/"),
+            model_url=(os.environ.get("COVEY_MODEL_URL") or DEFAULT_MODEL_URL).rstrip("/"),
             model_key=os.environ.get("COVEY_MODEL_API_KEY", "none"),
             prices=prices,
             home=Path(os.environ.get("HOME", ".")).resolve(),
+            max_tokens_field=field_name,
+            model_retries=max(0, retries),
+            model_backoff_s=max(0, backoff_ms) / 1000,
         )
+
+
+def model_prices(raw: str | None) -> dict[str, tuple[float, float]]:
+    """DEFAULT_PRICES with COVEY_MODEL_PRICES over them: a JSON object of model name to
+    [USD per million prompt tokens, USD per million completion tokens]."""
+    prices = dict(DEFAULT_PRICES)
+    if not raw:
+        return prices
+    try:
+        table = json.loads(raw)
+        if not isinstance(table, dict):
+            raise TypeError("not an object")
+        for model, pair in table.items():
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise ValueError(f"{model!r}: give [prompt, completion]")
+            prices[model] = (float(pair[0]), float(pair[1]))
+    except (ValueError, TypeError) as exc:
+        raise DaemonError(f"COVEY_MODEL_PRICES is not {{model: [prompt, completion]}} in USD "
+                          f"per million tokens: {exc}") from None
+    return prices
 
 
 STOP_WORDS = {"kill": "obeyed a kill message", "lease": "its kill-flag lease ran out",
@@ -138,6 +216,7 @@ class Stop:
 class Outcome:
     result: str | None = None
     trip: Trip | None = None
+    model_error: ModelError | None = None
 
 
 @dataclass
@@ -149,6 +228,11 @@ class Daemon:
     config: dict[str, Any] = field(default_factory=dict)
     work: asyncio.Task[None] | None = None
     guard_state: dict[str, Any] = field(default_factory=dict)
+    # The model endpoint's refusal that blocked the last task: the session ends saying it.
+    model_error: ModelError | None = None
+    # What this session's tasks have spent so far (USD, tokens): the budget is the session's,
+    # not each task's, or a session of many tasks could spend the budget many times.
+    spent: tuple[float, int] = (0.0, 0)
     # Set by a kill or a lapsed lease: the run may not take another step, whatever became
     # of the cancellation sent to it (see `halt_if_stopped`).
     halted: bool = False
@@ -234,6 +318,8 @@ class Daemon:
                 if payload.get("reason") == "guard-trip":
                     self.finish("guard", EXIT_TRIPPED, f"{self.guard_state.get('layer', '?')}: "
                                 f"{self.guard_state.get('reason', '')}")
+                elif payload.get("reason") == "model-error" and self.model_error is not None:
+                    self.finish("error", EXIT_ERROR, self.model_error.message)
                 else:
                     self.finish("sleep", EXIT_SLEEP, str(payload.get("reason", "")))
                 return
@@ -250,6 +336,7 @@ class Daemon:
                                               "detail": {"stopped": sorted(self.flag.stopped)}})
             elif kind == "inject_config":
                 self.config = payload
+                self.spent = (0.0, 0)  # a new session
             elif kind == "assign_task":
                 if self.work is not None and not self.work.done():
                     log.error("assign_task while a task is running; ignored")
@@ -297,6 +384,14 @@ class Daemon:
         if outcome.trip is not None:
             await self.send("blocked", {**ids, "reason": outcome.trip.reason,
                                         "trip": self.guard_state})
+        elif outcome.model_error is not None:
+            # Blocked, not failed: what the endpoint refused (a model name, a key) is
+            # mended outside the task, after which a human reopens it. The control plane
+            # ends the session instead of handing out the next task to the same refusal.
+            error = self.model_error = outcome.model_error
+            log.error("%s", error.message)
+            await self.send("blocked", {**ids, "reason": error.message, "model_error": {
+                "status": error.status, "message": error.message}})
         else:
             await self.send("task_done", {**ids,
                                           "result": (outcome.result or "")[:MAX_RESULT_CHARS]})
@@ -307,7 +402,9 @@ class Daemon:
         limits.setdefault("max_steps", int(self.config.get("max_turns", 20)))
         self.flag.scopes = ("global", f"org:{self.config.get('org_id', '')}",
                             f"agent:{self.env.agent_id}")
-        return Guard(Limits.from_config(limits), self.flag, prices=self.env.prices)
+        guard = Guard(Limits.from_config(limits), self.flag, prices=self.env.prices)
+        guard.cost_usd, guard.tokens = self.spent
+        return guard
 
     def halt_if_stopped(self) -> None:
         """A stopped run ends here, before its next model request or tool call. Cancelling
@@ -330,11 +427,16 @@ class Daemon:
             while True:
                 self.halt_if_stopped()
                 guard.before_step()
-                reply = await self.chat(model, messages)
+                # Reserved before it is sent: the call may ask for no more completion than
+                # what is left of the budgets pays for (the ceiling is kept, not alerted on).
+                reservation = guard.reserve(model, prompt_token_bound(messages, SCHEMAS))
+                reply = await self.chat(model, messages, reservation.max_tokens)
                 usage = reply.get("usage") or {}
-                usd = guard.charge_usage(model, usage.get("prompt_tokens"),
-                                         usage.get("completion_tokens"))
-                await self.send("cost", {"usd": usd, "tokens": usage.get("total_tokens") or 0})
+                spent = guard.price_usage(reservation, usage.get("prompt_tokens"),
+                                          usage.get("completion_tokens"))
+                # Recorded before it is judged: a call that broke the budget was still paid.
+                await self.send("cost", {"usd": spent.usd, "tokens": spent.tokens})
+                guard.book(reservation, spent)
                 message = reply["choices"][0]["message"]
                 messages.append(message)
                 calls = message.get("tool_calls") or []
@@ -375,27 +477,79 @@ class Daemon:
         except LeaseExpiredTrip as trip:
             self.lease_lapsed(f"{trip.reason}; failing closed")  # cancels this very task
             raise asyncio.CancelledError from trip
+        except ModelError as error:
+            return Outcome(model_error=error)
         except Trip as trip:
             self.guard_state = guard.snapshot(trip)
             log.warning("guard tripped: %s: %s", trip.layer, trip.reason)
             return Outcome(trip=trip)
+        finally:
+            self.spent = (guard.cost_usd, guard.tokens)
 
-    async def chat(self, model: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    async def chat(self, model: str, messages: list[dict[str, Any]], max_tokens: int
+                   ) -> dict[str, Any]:
+        """One chat completion. A rate limit, a server error or no answer at all is asked
+        again after a growing pause (each retry an event on the recording); any other
+        refusal at once, and the last failure once the retries are spent, is a ModelError
+        with the endpoint's status and words."""
+        url = f"{self.env.model_url}/chat/completions"
+        body = {"model": model, "messages": messages, "tools": SCHEMAS,
+                self.env.max_tokens_field: max_tokens}
+        attempt = 0
+        while True:
+            if attempt:
+                self.halt_if_stopped()  # a kill during the pause ends the retries
+            retry_after: float | None = None
+            try:
+                # Stamped as late as this daemon can: from here to the wire there is only the
+                # HTTP client, and a kill that arrives meanwhile cancels the request unsent.
+                r = await self.http.post(
+                    url, headers={"Authorization": f"Bearer {self.env.model_key}",
+                                  "X-Covey-Agent": self.env.agent_id,
+                                  SENT_AT_HEADER: str(time.time_ns())},
+                    json=body, timeout=120)
+            except httpx.HTTPError as exc:
+                failure = ModelError(None, f"model endpoint {url} unreachable: "
+                                           f"{type(exc).__name__}: {exc}")
+            else:
+                if r.status_code < 400:
+                    return self.read_reply(r)
+                failure = ModelError(r.status_code, f"model endpoint answered "
+                                                    f"{r.status_code}: {endpoint_message(r)}")
+                if not retried(r.status_code):
+                    raise failure
+                retry_after = _seconds(r.headers.get("retry-after"))
+            if attempt >= self.env.model_retries:
+                raise ModelError(failure.status, f"{failure.message} (tried "
+                                                 f"{attempt + 1} times)")
+            attempt += 1
+            pause = self.env.model_backoff_s * 2 ** (attempt - 1) * (0.5 + random.random() / 2)
+            pause = min(BACKOFF_CAP_S, max(pause, retry_after or 0.0))
+            log.warning("%s; retry %d of %d in %.2fs", failure.message, attempt,
+                        self.env.model_retries, pause)
+            await self.send("event", {"kind": "model", "status": "retried", "detail": {
+                "status": failure.status, "message": failure.message[:300],
+                "retry": attempt, "pause_s": round(pause, 3)}})
+            await asyncio.sleep(pause)
+
+    @staticmethod
+    def read_reply(r: httpx.Response) -> dict[str, Any]:
         try:
-            # Stamped as late as this daemon can: from here to the wire there is only the
-            # HTTP client, and a kill that arrives meanwhile cancels the request unsent.
-            r = await self.http.post(
-                f"{self.env.model_url}/chat/completions",
-                headers={"Authorization": f"Bearer {self.env.model_key}",
-                         "X-Covey-Agent": self.env.agent_id,
-                         SENT_AT_HEADER: str(time.time_ns())},
-                json={"model": model, "messages": messages, "tools": SCHEMAS}, timeout=120)
-            r.raise_for_status()
             reply: dict[str, Any] = r.json()
             reply["choices"][0]["message"]
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
-            raise DaemonError(f"model endpoint failed: {type(exc).__name__}: {exc}") from None
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise ModelError(r.status_code, f"model endpoint answered {r.status_code} with no "
+                                            f"usable completion: {type(exc).__name__}: {exc}"
+                             ) from None
         return reply
+
+
+def _seconds(value: str | None) -> float | None:
+    """A Retry-After in seconds (the HTTP-date form is not worth a parser here)."""
+    try:
+        return None if value is None else max(0.0, float(value))
+    except ValueError:
+        return None
 
 
 async def run(env: Env) -> int:

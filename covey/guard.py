@@ -6,6 +6,7 @@ is synchronous and allocation-light: it runs before every step and every tool ca
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import deque
@@ -60,6 +61,11 @@ class ToolStoppedTrip(KillFlagTrip):
 class Limits:
     max_cost_usd: float = 1.0
     max_tokens: int = 200_000
+    # One model call: the completion it may ask for when the budgets allow, and the least
+    # worth asking for (below it an answer cannot even hold one tool call, so the call is
+    # refused instead of sent).
+    max_completion_tokens: int = 4096
+    min_completion_tokens: int = 64
     max_tool_calls: int = 200
     max_wall_s: float = 600.0
     max_steps: int = 50
@@ -245,6 +251,55 @@ class KillFlag:
             raise ToolStoppedTrip(f"kill flag set for tool {tool}", scope=f"tool:{tool}")
 
 
+# Bytes, not tokens, as the prompt's size: a tokenizer library (tiktoken) fetches its
+# encodings from the network on first use, which a sandbox may not reach, and knows only
+# OpenAI's models. Every token of a byte-level BPE vocabulary (OpenAI's, Llama's, Mistral's)
+# stands for at least one byte of the text, so the UTF-8 size of the request's messages and
+# tool schemas, all JSON punctuation included, is an upper bound of the prompt's tokens; the
+# margin covers the few tokens a chat template adds that are not in the request (roles,
+# separators, the reply's priming). About four times the real count for English: the
+# reservation is conservative, the prompt is usually the cheap part of a call.
+PROMPT_MARGIN_TOKENS = 64
+
+
+def prompt_token_bound(messages: Any, tools: Any = None) -> int:
+    """At least as many tokens as the prompt of a chat request with these messages and
+    tools can count (see PROMPT_MARGIN_TOKENS for why bytes)."""
+    text = json.dumps({"messages": messages, "tools": tools}, ensure_ascii=False)
+    return len(text.encode()) + PROMPT_MARGIN_TOKENS
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What one model call may cost at most, decided before it is sent."""
+
+    model: str
+    price: tuple[float, float]  # USD per million tokens: prompt, completion
+    prompt_tokens: int  # the bound of the prompt's tokens (prompt_token_bound)
+    max_tokens: int  # the completion it is allowed: what it asks the endpoint for
+
+    @property
+    def worst_usd(self) -> float:
+        return (self.prompt_tokens * self.price[0] + self.max_tokens * self.price[1]) / 1e6
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "prompt_tokens_bound": self.prompt_tokens,
+                "max_tokens": self.max_tokens, "worst_usd": round(self.worst_usd, 9)}
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What one model call did cost, as its endpoint reported it."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    usd: float
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
 @dataclass(slots=True)
 class Action:
     tool: str
@@ -299,28 +354,98 @@ class Guard:
             self.history[-1].ok = ok
         self.breakers.record(tool, ok, probe)
 
-    def charge_usage(self, model: str, prompt_tokens: Any, completion_tokens: Any) -> float:
-        """Price a model call from its reported usage (prices in USD per million tokens,
-        prompt and completion). Unknown prices are not free."""
+    def price_of(self, model: str) -> tuple[float, float]:
+        """The model's price (USD per million tokens, prompt and completion). Unknown prices
+        are not free, nor are NaN, infinite or negative ones."""
         price = self.prices.get(model)
         if price is None:
             raise BudgetTrip(f"model {model!r} has no known price; refusing to spend blind",
                              model=model)
+        if not all(isinstance(p, int | float) and math.isfinite(p) and p >= 0 for p in price):
+            raise BudgetTrip(f"model {model!r} has the unusable price {price!r} per million "
+                             "tokens; refusing to spend blind", model=model)
+        return price
+
+    def reserve(self, model: str, prompt_tokens: int) -> Reservation:
+        """Admit one model call before it is sent, or trip. The completion it is allowed
+        is what the remaining dollar and token budgets pay for, with its prompt counted at
+        `prompt_tokens` (an upper bound): a call can then not take the spend past a cap
+        unless its endpoint answers more than it was allowed (which `book` trips on)."""
+        price = self.price_of(model)
+        limits = self.limits
+        left_usd = limits.max_cost_usd - self.cost_usd
+        left_tokens = limits.max_tokens - self.tokens
+        prompt_usd = prompt_tokens * price[0] / 1e6
+        allowed = min(limits.max_completion_tokens, left_tokens - prompt_tokens)
+        if price[1] > 0:
+            # Rounded down, and a hair under, so that the sum of floats never lands a
+            # nano-dollar past the cap.
+            paid = math.floor((left_usd - prompt_usd) * 1e6 / price[1] * (1 - 1e-12))
+            allowed = min(allowed, paid)
+        elif prompt_usd > left_usd:
+            allowed = -1
+        least = limits.min_completion_tokens
+        if allowed < least:
+            worst_usd = (prompt_tokens * price[0] + least * price[1]) / 1e6
+            detail = {"model": model, "prompt_tokens_bound": prompt_tokens,
+                      "min_completion_tokens": least, "worst_usd": worst_usd,
+                      "remaining_usd": left_usd, "remaining_tokens": left_tokens}
+            if left_tokens - prompt_tokens < least:
+                raise BudgetTrip(
+                    f"{max(left_tokens, 0)} tokens left of the {limits.max_tokens} token "
+                    f"budget do not cover this call's worst case of {prompt_tokens + least} "
+                    f"tokens (a prompt of at most {prompt_tokens} and {least} completion "
+                    "tokens); refused before sending", **detail)
+            raise BudgetTrip(
+                f"${max(left_usd, 0):.4f} left of the ${limits.max_cost_usd:.4f} budget "
+                f"does not pay for this call's worst case ${worst_usd:.4f} (a prompt of "
+                f"at most {prompt_tokens} tokens and {least} completion tokens); refused "
+                "before sending", **detail)
+        return Reservation(model, price, prompt_tokens, allowed)
+
+    def price_usage(self, reservation: Reservation, prompt_tokens: Any,
+                    completion_tokens: Any) -> Usage:
+        """A call's reported usage at its model's price; unusable counts trip."""
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                    for t in (prompt_tokens, completion_tokens)):
             raise BudgetTrip(f"model reported unusable token counts {prompt_tokens!r}/"
-                             f"{completion_tokens!r}", model=model)
-        usd: float = (prompt_tokens * price[0] + completion_tokens * price[1]) / 1_000_000
-        self.charge(usd, prompt_tokens + completion_tokens)
-        return usd
+                             f"{completion_tokens!r}", model=reservation.model)
+        price = reservation.price
+        usd = (prompt_tokens * price[0] + completion_tokens * price[1]) / 1_000_000
+        return Usage(prompt_tokens, completion_tokens, usd)
 
-    def charge(self, usd: float, tokens: int = 0) -> None:
+    def book(self, reservation: Reservation, usage: Usage) -> None:
+        """Count what a call did cost. An endpoint that answered more than the call was
+        allowed has broken the reservation: the ceiling cannot be kept with it, so it trips
+        at once, whatever is left of the budget."""
+        self.charge(usage.usd, usage.tokens, check=False)
+        if usage.completion_tokens > reservation.max_tokens:
+            raise BudgetTrip(
+                f"the model endpoint answered {usage.completion_tokens} completion tokens, "
+                f"more than the {reservation.max_tokens} it was allowed; spent "
+                f"${self.cost_usd:.4f} of the ${self.limits.max_cost_usd:.4f} budget",
+                model=reservation.model, allowed=reservation.max_tokens,
+                completion_tokens=usage.completion_tokens, cost=self.cost_usd)
+        self._check_budgets()
+
+    def charge_usage(self, model: str, prompt_tokens: Any, completion_tokens: Any) -> float:
+        """Price a model call from its reported usage and count it (no reservation)."""
+        reservation = Reservation(model, self.price_of(model), 0, 0)
+        usage = self.price_usage(reservation, prompt_tokens, completion_tokens)
+        self.charge(usage.usd, usage.tokens)
+        return usage.usd
+
+    def charge(self, usd: float, tokens: int = 0, check: bool = True) -> None:
         if not isinstance(usd, int | float) or not math.isfinite(usd) or usd < 0:
             raise BudgetTrip(f"cost {usd!r} is not a finite, non-negative amount", cost=usd)
         if not isinstance(tokens, int) or tokens < 0:
             raise BudgetTrip(f"token count {tokens!r} is not a non-negative integer")
         self.cost_usd += usd
         self.tokens += tokens
+        if check:
+            self._check_budgets()
+
+    def _check_budgets(self) -> None:
         if self.cost_usd > self.limits.max_cost_usd:
             raise BudgetTrip(f"spent ${self.cost_usd:.4f}, over the "
                              f"${self.limits.max_cost_usd:.4f} budget", cost=self.cost_usd)

@@ -25,3 +25,12 @@ kill_confirmations = Histogram(
 daemon_connections = Gauge("covey_daemon_connections", "Daemon WebSockets connected here")
 daemon_losses = Counter("covey_daemon_losses_total", "Sessions lost with their daemon", ["outcome"])
 rejected_results = Counter("covey_rejected_results_total", "Results refused by fencing", ["why"])
+
+# ---- Spend and guard trips: what agents cost and what stopped them ----
+# Counted where the control plane learns them (a daemon's `cost` message, a guard trip it
+# records), so each replica counts its own daemons': Prometheus sums the replicas.
+model_spend_usd = Counter("covey_model_spend_usd", "What agents' model calls cost, as their "
+                          "daemons booked it (USD)", ["agent_id"])
+model_tokens = Counter("covey_model_tokens", "Tokens of agents' model calls", ["agent_id"])
+guard_trips = Counter("covey_guard_trips_total", "Sessions stopped by their agent's own "
+                      "guard, by layer", ["layer"])

@@ -700,6 +700,7 @@ class Orchestrator:
                 recipients,
             )
             await emit_status(conn, agent["org_id"], row["agent_id"], "killed")
+        metrics.guard_trips.labels(trip.layer).inc()
         log.warning("guard trip", agent_id=str(row["agent_id"]), layer=trip.layer,
                     reason=trip.reason)
         return None

@@ -267,6 +267,9 @@ class Blocked(Message):
     fencing_token: FencingToken
     reason: Result = ""
     trip: GuardState | None = None
+    # The model endpoint's refusal ({"status", "message"}) that blocked the task: the
+    # session then ends instead of meeting the same refusal with the next task.
+    model_error: Any = None
 
 
 class KillAck(Message):

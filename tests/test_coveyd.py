@@ -180,15 +180,18 @@ def _judged(agent_id: str, invoked_ns: int, acknowledged_ns: int, session: dict[
                                "identical arguments"),
     ("ab_cycle", "loop", "stopped by the loop detector: cycled through read_file, "
                          "write_file 2 times"),
-    ("runaway_spend", "budget", "stopped by the budget guard: spent $"),
+    # Refused before the call that would cross the cap, saying what was left.
+    ("runaway_spend", "budget", "stopped by the budget guard: $"),
     ("failing_tool_hammer", "circuit_breaker", "stopped by the circuit breaker: http_request "
                                                "failed 3 times in a row"),
 ])
 async def test_a_guard_trip_stops_records_alerts_and_holds_the_agent(
         cworld: World, behaviour: str, layer: str, title: str) -> None:
-    # A large token budget, so that the dollar budget is the one a runaway spend meets.
+    # A large token budget, so that the dollar budget is the one a runaway spend meets,
+    # and long answers allowed, so that it meets it in a few calls.
     agent = await cworld.agent(slug=f"bot-{behaviour.replace('_', '-')}",
-                               guard={"max_tokens": 10_000_000})
+                               guard={"max_tokens": 10_000_000,
+                                      "max_completion_tokens": 100_000})
     task = await cworld.task(agent["id"], f"model:{behaviour}")
     sandbox = await _sandbox(cworld, agent["id"])
     assert sandbox["exit_code"] == 2
@@ -202,6 +205,10 @@ async def test_a_guard_trip_stops_records_alerts_and_holds_the_agent(
     trips = [e for e in rec if e["kind"] == "guard" and e["status"] == "tripped"]
     assert len(trips) == 1 and trips[0]["detail"]["layer"] == layer
     assert trips[0]["detail"]["last_actions"], "the trip captured no actions"
+    # Whatever the layer, the agent spent no more than its budget: each call was reserved.
+    spent = await cworld.db.fetchval("SELECT coalesce(sum(usd), 0) FROM cost_entries WHERE "
+                                     "agent_id=$1", uuid.UUID(agent["id"]))
+    assert 0 < spent <= got["budget_usd"], (spent, got["budget_usd"])
     notes = (await cworld.org_admin.get("/api/v1/notifications")).json()
     titles = [n["title"] for n in notes if n["kind"] == "agent_tripped"]
     assert len(titles) == 1 and title in titles[0], titles

@@ -34,7 +34,8 @@ async def test_a_kill_swallowed_as_a_tool_call_returns_still_ends_the_run(
         daemon.flag.renew(60)
         model_calls = 0
 
-        async def chat(model: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        async def chat(model: str, messages: list[dict[str, Any]], max_tokens: int
+                       ) -> dict[str, Any]:
             nonlocal model_calls
             model_calls += 1
             call = {"id": f"c{model_calls}", "type": "function",

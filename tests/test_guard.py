@@ -17,10 +17,13 @@ from covey.guard import (
     Limits,
     LoopDetector,
     LoopTrip,
+    Reservation,
     StepLimitTrip,
     ToolStoppedTrip,
     Trip,
+    Usage,
     fingerprint,
+    prompt_token_bound,
 )
 
 
@@ -75,6 +78,110 @@ def test_a_model_without_a_price_is_not_free() -> None:
     assert "no known price" in trip.value.reason
     with pytest.raises(BudgetTrip):
         guard.charge_usage("m", -5, 10)
+
+
+# The reservation: a model call may ask for no more completion than the budgets pay for.
+# Model "m" costs $1 per million prompt tokens and $2 per million completion tokens.
+
+def _spend_all(guard: Guard, prompt: int, ask: int, answered: int | None = None
+               ) -> list[Reservation]:
+    """Calls answered as long as allowed (or `answered`), until the guard refuses one."""
+    made = []
+    while True:
+        try:
+            r = guard.reserve("m", prompt)
+        except BudgetTrip:
+            return made
+        made.append(r)
+        got = min(r.max_tokens, ask if answered is None else answered)
+        guard.book(r, guard.price_usage(r, prompt, got))
+
+
+def test_max_tokens_is_capped_at_what_the_remaining_budget_pays_for() -> None:
+    guard, _ = make_guard(max_cost_usd=0.5, max_completion_tokens=100_000,
+                          max_tokens=10**9)
+    for _ in range(2):  # $0.201 each
+        call = guard.reserve("m", 1000)
+        assert call.max_tokens == 100_000  # plenty left: the agent's own limit
+        guard.book(call, guard.price_usage(call, 1000, 100_000))
+    third = guard.reserve("m", 1000)
+    # $0.098 left, $0.001 of it for the prompt: 48,500 completion tokens at $2 per million.
+    assert third.max_tokens == 48_499
+    assert third.worst_usd <= 0.5 - guard.cost_usd
+    guard.book(third, guard.price_usage(third, 1000, third.max_tokens))
+    assert guard.cost_usd <= 0.5
+
+
+def test_spending_as_fast_as_allowed_never_passes_the_cap() -> None:
+    for cap in (0.5, 0.01, 1.0, 0.123456):
+        guard, _ = make_guard(max_cost_usd=cap, max_completion_tokens=75_000,
+                              max_tokens=10**9)
+        calls = _spend_all(guard, 3000, 75_000)
+        assert calls and guard.cost_usd <= cap, (cap, guard.cost_usd)
+        assert cap - guard.cost_usd < (3000 + 64) * 2 / 1e6 + 1e-9  # spent all it could
+
+
+def test_the_token_budget_caps_max_tokens_too() -> None:
+    guard, _ = make_guard(max_tokens=10_000, max_completion_tokens=8000)
+    r = guard.reserve("m", 4000)
+    assert r.max_tokens == 6000
+    guard.book(r, guard.price_usage(r, 4000, 6000))
+    assert guard.tokens == 10_000
+    with pytest.raises(BudgetTrip, match="0 tokens left of the 10000 token budget"):
+        guard.reserve("m", 10)
+
+
+def test_a_prompt_the_budget_cannot_pay_for_is_refused_before_sending() -> None:
+    guard, _ = make_guard(max_cost_usd=0.01)
+    with pytest.raises(BudgetTrip) as trip:
+        guard.reserve("m", 20_000)  # $0.02 for the prompt alone
+    assert trip.value.layer == "budget"
+    assert trip.value.reason == (
+        "$0.0100 left of the $0.0100 budget does not pay for this call's worst case $0.0201 "
+        "(a prompt of at most 20000 tokens and 64 completion tokens); refused before sending")
+    assert trip.value.detail["remaining_usd"] == 0.01
+    assert guard.cost_usd == 0.0
+    guard, _ = make_guard(max_tokens=1000)
+    with pytest.raises(BudgetTrip, match="1000 tokens left of the 1000 token budget do not "
+                       "cover this call's worst case of 1064 tokens"):
+        guard.reserve("m", 1000)
+
+
+def test_an_endpoint_that_answers_more_than_it_was_allowed_trips_at_once() -> None:
+    guard, _ = make_guard(max_cost_usd=100.0, max_completion_tokens=500)
+    r = guard.reserve("m", 100)
+    assert r.max_tokens == 500
+    with pytest.raises(BudgetTrip) as trip:
+        guard.book(r, guard.price_usage(r, 100, 501))
+    assert trip.value.reason.startswith(
+        "the model endpoint answered 501 completion tokens, more than the 500 it was allowed")
+    assert guard.cost_usd == pytest.approx(0.001102)  # booked all the same: it was paid
+
+
+@pytest.mark.parametrize("price", [(math.nan, 2.0), (1.0, math.nan), (math.inf, 1.0),
+                                   (-1.0, 1.0)])
+def test_an_unusable_price_trips_before_the_first_call(price: tuple[float, float]) -> None:
+    guard, _ = make_guard()
+    guard.prices["bad"] = price
+    with pytest.raises(BudgetTrip, match="unusable price"):
+        guard.reserve("bad", 100)
+    with pytest.raises(BudgetTrip, match="no known price"):
+        guard.reserve("gpt-unknown", 100)
+
+
+def test_a_nan_usage_trips() -> None:
+    guard, _ = make_guard()
+    r = guard.reserve("m", 100)
+    with pytest.raises(BudgetTrip, match="unusable token counts"):
+        guard.price_usage(r, math.nan, 20)
+    assert guard.price_usage(r, 100, 20) == Usage(100, 20, pytest.approx(0.00014))
+
+
+def test_the_prompt_bound_is_at_least_the_bytes_of_the_request() -> None:
+    messages = [{"role": "user", "content": "héllo wörld " * 100}]
+    bound = prompt_token_bound(messages)
+    assert bound >= len("héllo wörld ".encode()) * 100
+    assert prompt_token_bound(messages, [{"type": "function"}]) > bound
 
 
 def test_token_tool_call_and_wall_clock_budgets() -> None:

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 
-from covey.api.agents import AGENT_COLUMNS
+from covey.api.agents import AGENT_COLUMNS, AGENT_JOINS
 from covey.api.auth import SESSION_HOURS
 from covey.api.deps import (
     KILLERS,
@@ -100,8 +100,7 @@ async def administration(request: Request) -> Response:
         " EXISTS (SELECT 1 FROM kill_flags WHERE scope='global') AS global_stop"
         " FROM organizations o WHERE o.id=$1", who.org_id)
     agents = await orch.pool.fetch(
-        f"SELECT {AGENT_COLUMNS} FROM agents a JOIN organizations o ON o.id=a.org_id"
-        " WHERE a.org_id=$1 ORDER BY a.slug", who.org_id)
+        f"SELECT {AGENT_COLUMNS} {AGENT_JOINS} WHERE a.org_id=$1 ORDER BY a.slug", who.org_id)
     tools = await orch.pool.fetch(
         "SELECT tool, agent_id, reason FROM kill_flags WHERE scope='tool' AND org_id=$1"
         " ORDER BY tool", who.org_id)

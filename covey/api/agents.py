@@ -56,9 +56,19 @@ HeartbeatPathName = Annotated[str, Path(min_length=1, max_length=64,
 AGENT_COLUMNS = """
     a.id, a.org_id, a.slug, a.display_name, a.owner_id, a.status, a.killed, a.kill_origin,
     o.fleet_killed, a.warm_sandbox, a.budget_usd::float8 AS budget_usd, a.max_turns, a.model,
-    a.guard, a.created_at,
-    (SELECT s.id FROM sessions s WHERE s.agent_id=a.id AND s.state IN ('starting','running')
-     ORDER BY s.started_at DESC LIMIT 1) AS running_session_id
+    a.guard, a.created_at, live.id AS running_session_id,
+    COALESCE(spend.usd, 0)::float8 AS spent_usd, COALESCE(spend.tokens, 0) AS spent_tokens,
+    (a.budget_usd - COALESCE(live.cost_usd, 0))::float8 AS remaining_usd
+"""
+# The live session (at most one: sessions_one_live) and everything the agent spent, beside
+# the agent. The remaining budget is its live session's, or a whole budget when none runs.
+AGENT_JOINS = """
+    FROM agents a JOIN organizations o ON o.id=a.org_id
+    LEFT JOIN LATERAL (SELECT s.id, s.cost_usd FROM sessions s WHERE s.agent_id=a.id
+                       AND s.state IN ('starting','running')
+                       ORDER BY s.started_at DESC LIMIT 1) live ON true
+    LEFT JOIN LATERAL (SELECT sum(c.usd) AS usd, sum(c.tokens)::bigint AS tokens
+                       FROM cost_entries c WHERE c.agent_id=a.id) spend ON true
 """
 TASK_COLUMNS = """
     id, agent_id, title, body, state, priority, origin, daemon_retries, result, created_at,
@@ -69,8 +79,7 @@ TASK_COLUMNS = """
 async def agent_of_org(orch: Orchestrator, org_id: UUID, agent_id: UUID) -> AgentOut:
     """Another organisation's agent does not exist, as far as this caller can tell (404)."""
     row = await orch.pool.fetchrow(
-        f"SELECT {AGENT_COLUMNS} FROM agents a JOIN organizations o ON o.id=a.org_id"
-        " WHERE a.id=$1 AND a.org_id=$2",
+        f"SELECT {AGENT_COLUMNS} {AGENT_JOINS} WHERE a.id=$1 AND a.org_id=$2",
         agent_id, org_id,
     )
     if row is None:
@@ -133,8 +142,7 @@ async def agent_is_stopped(conn: Connection, agent_id: UUID) -> bool:
 @router.get("", response_model=list[AgentOut])
 async def list_agents(who: AnyRole, orch: Orch) -> list[AgentOut]:
     rows = await orch.pool.fetch(
-        f"SELECT {AGENT_COLUMNS} FROM agents a JOIN organizations o ON o.id=a.org_id"
-        " WHERE a.org_id=$1 ORDER BY a.created_at, a.id",
+        f"SELECT {AGENT_COLUMNS} {AGENT_JOINS} WHERE a.org_id=$1 ORDER BY a.created_at, a.id",
         who.org_id,
     )
     return [AgentOut(**dict(r)) for r in rows]
@@ -363,10 +371,16 @@ async def recording(agent_id: UUID, who: AnyRole, orch: Orch,
 async def sessions(agent_id: UUID, who: AnyRole, orch: Orch) -> list[SessionOut]:
     await agent_of_org(orch, who.org_id, agent_id)
     rows = await orch.pool.fetch(
-        "SELECT id, task_id, sandbox_id, node, state, started_at, ended_at, stop_layer,"
-        " stop_reason, daemon_stop, daemon_stop_detail, kill_sent_at, kill_confirmed_at,"
-        " kill_confirmed_by, kill_acked_at, tool_cut FROM sessions WHERE agent_id=$1"
-        " ORDER BY started_at, id",
+        "SELECT s.id, s.task_id, s.sandbox_id, s.node, s.state, s.started_at, s.ended_at,"
+        " s.stop_layer, s.stop_reason, s.daemon_stop, s.daemon_stop_detail, s.kill_sent_at,"
+        " s.kill_confirmed_at, s.kill_confirmed_by, s.kill_acked_at, s.tool_cut,"
+        " s.cost_usd::float8 AS spent_usd, COALESCE(t.tokens, 0) AS spent_tokens,"
+        " a.budget_usd::float8 AS budget_usd,"
+        " (a.budget_usd - s.cost_usd)::float8 AS remaining_usd"
+        " FROM sessions s JOIN agents a ON a.id=s.agent_id"
+        " LEFT JOIN (SELECT session_id, sum(tokens)::bigint AS tokens FROM cost_entries"
+        "            WHERE agent_id=$1 GROUP BY session_id) t ON t.session_id=s.id"
+        " WHERE s.agent_id=$1 ORDER BY s.started_at, s.id",
         agent_id,
     )
     return [SessionOut(**dict(r)) for r in rows]

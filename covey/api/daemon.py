@@ -19,6 +19,7 @@ import structlog
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from starlette.websockets import WebSocketDisconnected, WebSocketState
 
+from covey import metrics
 from covey.db import UNREACHABLE, through_outage
 from covey.hub import DaemonLink, send_to
 from covey.orchestrator import LAYER_NAMES, GuardTripReport, Orchestrator, record
@@ -341,6 +342,8 @@ async def _handle(orch: Orchestrator, link: DaemonLink, kind: str, frame: Frame)
             await conn.execute(
                 f"UPDATE sessions SET cost_usd=LEAST(cost_usd+$2, {MAX_SESSION_COST_USD})"
                 " WHERE id=$1", link.session_id, message.usd)
+        metrics.model_spend_usd.labels(str(link.agent_id)).inc(message.usd)
+        metrics.model_tokens.labels(str(link.agent_id)).inc(message.tokens)
         return
     if isinstance(message, Blocked) and message.trip is not None:
         trip = GuardTripReport.parse(message.reason, message.trip)
@@ -365,6 +368,12 @@ async def _handle(orch: Orchestrator, link: DaemonLink, kind: str, frame: Frame)
             async with orch.pool.acquire() as conn:
                 await record(conn, link.agent_id, link.session_id, "task", "rejected",
                              {"task_id": str(message.task_id), "why": why})
+            return
+        if isinstance(message, Blocked) and isinstance(message.model_error, dict):
+            # The model endpoint refused (a model name, a key): the next task would meet the
+            # same refusal. The session ends; the daemon says why in its last word.
+            if await orch.end_session(link.session_id) == "sleep":
+                await send_to(link, "sleep", {"reason": "model-error"})
             return
         await _assign_next(orch, link)
         return

@@ -146,6 +146,12 @@ class GuardIn(Strict):
     """Per-agent guard thresholds; what is left out takes the daemon's default."""
 
     max_tokens: Annotated[int, Field(ge=1, le=MAX_EXACT_INT), NUMBER] | None = None
+    max_completion_tokens: Annotated[int, Field(
+        ge=1, le=MAX_EXACT_INT, description="the completion one model call may ask for, when "
+        "the budgets allow (default 4096)"), NUMBER] | None = None
+    min_completion_tokens: Annotated[int, Field(
+        ge=1, le=MAX_EXACT_INT, description="the least completion worth a call: a call the "
+        "budgets cannot pay for with this much is refused (default 64)"), NUMBER] | None = None
     max_tool_calls: Annotated[int, Field(ge=1, le=MAX_EXACT_INT), NUMBER] | None = None
     max_wall_s: StrictFloat | None = Field(default=None, gt=0, allow_inf_nan=False)
     loop_window: Annotated[int, Field(ge=2, le=1000), NUMBER] | None = None
@@ -187,6 +193,12 @@ class AgentOut(BaseModel):
     created_at: datetime
     running_session_id: UUID | None = Field(
         default=None, description="The agent's live session (starting or running), if any")
+    spent_usd: float = Field(default=0.0, description="What the agent's model calls cost, all "
+                             "sessions together: the sum of its cost entries (USD)")
+    spent_tokens: int = Field(default=0, description="Tokens of those calls, all sessions")
+    remaining_usd: float = Field(
+        default=0.0, description="What is left of budget_usd, which is each session's "
+        "ceiling: of the running session's, or the whole budget when none runs")
 
 
 class AgentCreatedOut(AgentOut):
@@ -378,6 +390,12 @@ class SessionOut(BaseModel):
         "the tool call under way (null tool: none was), its process (pid = pgid) and how "
         "long it had run, and how many of the tools' processes were killed before the "
         "daemon said it stopped")
+    spent_usd: float = Field(default=0.0, description="What this session's model calls cost "
+                             "(USD): the sum of its cost entries")
+    spent_tokens: int = Field(default=0, description="Tokens of this session's model calls")
+    budget_usd: float = Field(default=0.0, description="The agent's budget, the ceiling of "
+                              "each of its sessions (as the agent has it now)")
+    remaining_usd: float = Field(default=0.0, description="budget_usd less spent_usd")
 
 
 class NotificationOut(BaseModel):

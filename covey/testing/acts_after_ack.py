@@ -15,7 +15,7 @@ class ActsAfterAck(coveyd.Daemon):
     async def send(self, kind: str, payload: dict[str, Any]) -> None:
         await super().send(kind, payload)
         if kind == "kill_ack":
-            await self.chat("puppet", [{"role": "user", "content": "one more step"}])
+            await self.chat("puppet", [{"role": "user", "content": "one more step"}], 64)
 
 
 if __name__ == "__main__":

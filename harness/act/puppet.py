@@ -75,8 +75,9 @@ def ab_cycle(step: int, base_url: str) -> Reply:
 
 
 def runaway_spend(step: int, base_url: str) -> Reply:
-    """Each answer reports a huge prompt: $0.15 a call at the puppet's price."""
-    return _reply([_call("shell", {"cmd": f"echo {step}"})], prompt_tokens=150_000)
+    """Each answer is as long as it may be, up to 75,000 completion tokens: $0.15 a call at
+    the puppet's price when the daemon allows that much."""
+    return _reply([_call("shell", {"cmd": f"echo {step}"})], completion_tokens=75_000)
 
 
 def failing_tool_hammer(step: int, base_url: str) -> Reply:
@@ -135,6 +136,9 @@ class LedgerEntry:
     # long the puppet's event loop was busy; only this tells a request sent before the
     # daemon acknowledged its kill from one sent after.
     sent_ns: int | None = None
+    # The completion the request allowed (max_tokens or max_completion_tokens); None when
+    # it set none.
+    max_tokens: int | None = None
 
 
 # A behaviour: the name of a built-in one, of a script in fixtures/scripts, or a script.
@@ -180,7 +184,11 @@ class Puppet:
         return match.group(1) if match and match.group(1) in BEHAVIOURS else "well_behaved"
 
     def answer(self, agent_id: str, messages: list[dict[str, Any]], base_url: str,
-               sent_ns: int | None = None, received_ns: int | None = None) -> Reply:
+               sent_ns: int | None = None, received_ns: int | None = None,
+               max_tokens: int | None = None) -> Reply:
+        """The behaviour's reply to this request. Like a real model, it answers no more
+        completion tokens than the request allows (cut off: `finish_reason` "length"),
+        unless its script says `honours_max_tokens: false`."""
         received_ns = time.time_ns() if received_ns is None else received_ns
         behaviour = self.behaviour_of(agent_id, messages)
         results = [str(m.get("content")) for m in messages if m.get("role") == "tool"]
@@ -191,13 +199,16 @@ class Puppet:
             call = scripts.call_at(behaviour, step, agent_id, base_url)
             reply = _reply([_call(call.tool, call.args)], prompt_tokens=call.prompt_tokens,
                            completion_tokens=call.completion_tokens)
+        honours = not isinstance(behaviour, dict) or behaviour.get("honours_max_tokens", True)
+        if honours and max_tokens is not None:
+            _cut_off(reply, max_tokens)
         tool_calls = reply["choices"][0]["message"].get("tool_calls") or [{}]
         function = tool_calls[0].get("function", {})
         usage = reply["usage"]
         self.ledger[agent_id].append(LedgerEntry(
             agent_id, received_ns, step, behaviour_name(behaviour), results[-1:],
             function.get("name", ""), json.loads(function.get("arguments", "{}")),
-            usage["prompt_tokens"], usage["completion_tokens"], sent_ns))
+            usage["prompt_tokens"], usage["completion_tokens"], sent_ns, max_tokens))
         return reply
 
     def actions(self, agent_id: str) -> list[LedgerEntry]:
@@ -205,6 +216,26 @@ class Puppet:
 
     def failed_calls(self, agent_id: str) -> list[int]:
         return list(self.failures.get(agent_id, []))
+
+
+def _cut_off(reply: Reply, max_tokens: int) -> None:
+    """A reply longer than allowed, cut off at the limit as a model does. The tool call is
+    kept: the puppet's calls are scripted, not generated token by token."""
+    usage = reply["usage"]
+    completion = usage["completion_tokens"]
+    if isinstance(completion, int | float) and completion > max_tokens:
+        usage["completion_tokens"] = max_tokens
+        usage["total_tokens"] = usage["prompt_tokens"] + max_tokens
+        reply["choices"][0]["finish_reason"] = "length"
+
+
+def max_tokens_of(body: Mapping[str, Any]) -> int | None:
+    """The completion a request allows: `max_completion_tokens`, else `max_tokens`."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None
 
 
 def sent_stamp(headers: Mapping[str, str]) -> int | None:
@@ -237,12 +268,13 @@ def create_app(puppet: Puppet) -> FastAPI:
             messages = body["messages"]
             if not isinstance(messages, list):
                 raise TypeError("messages must be a list")
+            max_tokens = max_tokens_of(body)
         except (ValueError, KeyError, TypeError) as exc:
             return JSONResponse({"error": {"message": f"bad request: {exc}"}}, status_code=400)
         agent = request.headers.get("x-covey-agent", "?")
         base = str(request.base_url).rstrip("/")
         return _json(puppet.answer(agent, messages, base, sent_stamp(request.headers),
-                                   received_ns))
+                                   received_ns, max_tokens))
 
     @app.post("/puppet/agents/{agent_id}", status_code=204)
     async def assign(agent_id: str, body: AssignIn) -> None:

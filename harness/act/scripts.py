@@ -19,6 +19,10 @@ The kinds of step:
 * `read_file: PATH`, `write_file: {path, content}`: one call each;
 * `repeat: {times: N | forever, steps: [...]}`, `cycle: [...]` (repeat forever);
 * `finish: RESULT`.
+
+Beside its steps a script may say `honours_max_tokens: false`: the puppet then answers the
+usage it is scripted with even beyond the completion the request allowed (an endpoint that
+ignores `max_tokens`); by default it cuts the answer off there, as a model does.
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ def validate(script: Any, where: str = "script") -> None:
     if not isinstance(script, Mapping) or not isinstance(script.get("steps"), list):
         raise ScriptError(f"{where}: a script is a mapping with a list of `steps`")
     _validate_steps(script["steps"], where)
+    if not isinstance(script.get("honours_max_tokens", True), bool):
+        raise ScriptError(f"{where}: honours_max_tokens is true or false")
     list(itertools.islice(calls(script, "check", "http://puppet"), 1))
 
 

@@ -123,14 +123,17 @@ def spend_beyond_cap(history: History, final: FinalState,
     """Per session stopped by the budget layer: what its model calls cost at the agent's
     model's price, how far past the agent's budget, and how long from the call that crossed
     it to the stop. A model with no price, or a usage that is not a number, spent an amount
-    nobody knows (None), and crossed the cap with its first call."""
+    nobody knows (None), and crossed the cap with its first call. Beside them, each call's
+    reservation: the completion tokens the daemon allowed it (None when the request set no
+    limit) and those it was answered with."""
     out: dict[str, Any] = {}
     table = PRICES if prices is None else prices
     for end in _sessions_ended(history, ("budget",)):
         cap = end.value.get("budget_usd")
         price = table.get(str(end.value.get("model", "puppet")), (math.nan, math.nan))
         spent, crossed_ns = 0.0, None
-        for action in _session_actions(history, end):
+        actions = _session_actions(history, end)
+        for action in actions:
             spent += _usd(action, price)
             if crossed_ns is None and isinstance(cap, int | float) and (
                     spent > cap or not math.isfinite(spent)):
@@ -140,7 +143,10 @@ def spend_beyond_cap(history: History, final: FinalState,
             "beyond_cap_usd": (spent - cap) if isinstance(cap, int | float)
             and math.isfinite(spent) else None,
             "cross_to_stop_ms": None if crossed_ns is None else (end.time_ns - crossed_ns) / 1e6,
-            "stop_reason": end.value.get("stop_reason")}
+            "stop_reason": end.value.get("stop_reason"),
+            "calls": len(actions),
+            "max_tokens_allowed": [a.value.get("max_tokens") for a in actions],
+            "completion_tokens": [a.value.get("completion_tokens") for a in actions]}
     return out
 
 

@@ -367,7 +367,8 @@ class GameDay:
                                       "tool": entry.tool, "args": entry.args,
                                       "prompt_tokens": entry.prompt_tokens,
                                       "completion_tokens": entry.completion_tokens,
-                                      "sent_ns": entry.sent_ns},
+                                      "sent_ns": entry.sent_ns,
+                                      "max_tokens": entry.max_tokens},
                                      time_ns=entry.at_ns)
             for at_ns in await self.endpoints.puppet.failed_calls(agent_id):
                 self.history.observe(f"agent:{agent_id}", FAILING_SERVICE_CALL_F, {},
