@@ -42,6 +42,7 @@ from covey.embedded_postgres import EmbeddedPostgres, attach, release
 from covey.hub import DaemonHub
 from covey.orchestrator import Orchestrator
 from covey.sandbox import DockerProvider, ProcessProvider, Runner, SandboxProvider
+from covey.sign_in import SignIn
 
 log = structlog.get_logger(__name__)
 
@@ -246,6 +247,8 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
                              orch.sandbox_exited, settings.warm_sync_s, settings.warm_idle_s)
         orch.hand_over = functools.partial(daemon.hand_over, orch)
         app.state.orchestrator = orch
+        app.state.sign_in = SignIn(pool, settings)
+        await app.state.sign_in.prepare()
         listener = Listener(url, orch, events)
         loops = [
             asyncio.create_task(listener.run()),

@@ -23,11 +23,13 @@ log = structlog.get_logger(__name__)
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, error: str, hint: str) -> None:
+    def __init__(self, status: int, error: str, hint: str,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(error)
         self.status = status
         self.error = error
         self.hint = hint
+        self.headers = headers  # such as a 429's Retry-After
 
 
 class Problem(BaseModel):
@@ -97,7 +99,8 @@ def allowed_methods(app: FastAPI, path: str) -> list[str]:
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(error_body(exc.error, exc.hint), status_code=exc.status)
+        return JSONResponse(error_body(exc.error, exc.hint), status_code=exc.status,
+                            headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -14,13 +14,14 @@ from covey.admission import is_switch
 from covey.errors import ApiError
 from covey.orchestrator import Orchestrator
 from covey.security import token_hash
-
-SESSION_COOKIE = "covey_session"
+from covey.sign_in import SESSION_COOKIE as SESSION_COOKIE  # where it is named, for routes
+from covey.sign_in import SignIn
 
 ORG_ROLES = ("org_admin", "agent_owner", "security", "auditor", "controlling")
 MANAGE = ("org_admin", "agent_owner")
 SECURITY = ("org_admin", "security")
 KILLERS = ("org_admin", "agent_owner", "security")  # manage + security
+AUDIT_READERS = ("org_admin", "security", "auditor")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,14 @@ def orchestrator(request: Request) -> Orchestrator:
 
 
 Orch = Annotated[Orchestrator, Depends(orchestrator)]
+
+
+def sign_in_lane(request: Request) -> SignIn:
+    lane: SignIn = request.app.state.sign_in
+    return lane
+
+
+SignInLane = Annotated[SignIn, Depends(sign_in_lane)]
 
 
 def _credential(request: Request) -> str | None:
@@ -101,4 +110,5 @@ Security = Annotated[Principal, Depends(require(*SECURITY))]
 Killer = Annotated[Principal, Depends(require(*KILLERS))]
 OrgAdmin = Annotated[Principal, Depends(require("org_admin"))]
 PlatformAdmin = Annotated[Principal, Depends(require("platform_admin"))]
+AuditReader = Annotated[Principal, Depends(require(*AUDIT_READERS))]
 Signed = Annotated[Principal, Depends(current_principal)]
