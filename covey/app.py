@@ -33,12 +33,13 @@ from covey.api import (
     notifications,
     trigger,
 )
-from covey.api.deps import AnyRole
+from covey.api.deps import AnyRole, Orch, credential_hash, credential_left_s
 from covey.api.openapi import document
 from covey.config import Settings
 from covey.cpu_group import make_cpu_group
 from covey.db import DatabaseUnavailable, create_pool, migrate
 from covey.embedded_postgres import EmbeddedPostgres, attach, release
+from covey.events import EventStream
 from covey.hub import DaemonHub
 from covey.orchestrator import Orchestrator
 from covey.sandbox import DockerProvider, ProcessProvider, Runner, SandboxProvider
@@ -102,42 +103,6 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-class EventStream:
-    """Status changes from every replica (NOTIFY covey_events) to SSE subscribers here."""
-
-    def __init__(self) -> None:
-        self._subscribers: set[tuple[UUID, asyncio.Queue[str]]] = set()
-
-    def publish(self, raw: str) -> None:
-        try:
-            event = json.loads(raw)
-            org = UUID(event["org_id"])
-            agents = event.pop("agents", None) or [event["agent_id"]]
-        except (ValueError, KeyError, TypeError):
-            return
-        lines = [json.dumps({**event, "agent_id": a}) for a in agents]
-        for sub_org, queue in list(self._subscribers):
-            if sub_org == org and queue.qsize() < 1000:
-                for line in lines:
-                    queue.put_nowait(line)
-
-    async def stream(self, org_id: UUID) -> AsyncIterator[str]:
-        queue: asyncio.Queue[str] = asyncio.Queue()
-        entry = (org_id, queue)
-        self._subscribers.add(entry)
-        try:
-            yield ": connected\n\n"
-            while True:
-                try:
-                    raw = await asyncio.wait_for(queue.get(), 15)
-                except TimeoutError:
-                    yield ": keep-alive\n\n"
-                    continue
-                yield f"event: status\ndata: {raw}\n\n"
-        finally:
-            self._subscribers.discard(entry)
-
-
 async def _every(seconds: float, name: str, step: Callable[[], Awaitable[None]]) -> None:
     """Run step on a fixed cadence; a failure is logged and the loop goes on."""
     while True:
@@ -172,13 +137,17 @@ class Listener:
             self.orch.spawn(self.orch.renew_leases())
         elif channel == "covey_events":
             self.events.publish(payload)
+        elif channel == "covey_credentials":  # a session ended or its human changed
+            with contextlib.suppress(ValueError):
+                self.events.credentials_changed(UUID(payload))
 
     async def run(self) -> None:
         while True:
             conn: asyncpg.Connection[asyncpg.Record] | None = None
             try:
                 conn = await asyncpg.connect(self.url)
-                for channel in ("covey_wake", "covey_kill", "covey_leases", "covey_events"):
+                for channel in ("covey_wake", "covey_kill", "covey_leases", "covey_events",
+                                "covey_credentials"):
                     await conn.add_listener(channel, self._on_notify)
                 closed = asyncio.Event()
                 conn.add_termination_listener(lambda _c, ev=closed: ev.set())
@@ -299,9 +268,19 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
     @app.get("/api/v1/events", tags=["system"], response_class=StreamingResponse,
              responses={200: {"description": "An endless event stream",
                               "content": {"text/event-stream": {"schema": {"type": "string"}}}}})
-    async def status_events(who: AnyRole) -> StreamingResponse:
-        """Server-sent events: one `status` event per agent status change in your org."""
-        return StreamingResponse(events.stream(who.org_id), media_type="text/event-stream",
+    async def status_events(who: AnyRole, request: Request, orch: Orch) -> StreamingResponse:
+        """Server-sent events: one `status` event per agent status change in your org. The
+        stream ends, with an `end` event, when its session does (logout, expiry, a revoked
+        token, a change of role): sign in again and reconnect."""
+        hashed = credential_hash(request)
+
+        def holds() -> Awaitable[float | None]:
+            return credential_left_s(orch, who, hashed)
+        left = await holds()
+        if left is None:  # ended between the check of the role and now
+            raise errors.ApiError(401, "Session expired or token unknown", "Sign in again.")
+        return StreamingResponse(events.stream(who.org_id, who.human_id, left, holds),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store"})
 
     @app.get("/", include_in_schema=False, response_class=HTMLResponse)
