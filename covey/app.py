@@ -26,6 +26,7 @@ from covey.admission import ReadAdmission
 from covey.api import (
     administration,
     agents,
+    audit,
     auth,
     daemon,
     flags,
@@ -244,7 +245,7 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
     errors.install(app)
     app.openapi = lambda: document(app)  # type: ignore[method-assign]
     for router in (auth.router, agents.router, fleet.router, flags.router, trigger.router,
-                   notifications.router, daemon.router, administration.router):
+                   notifications.router, daemon.router, administration.router, audit.router):
         app.include_router(router)
 
     @app.get("/healthz", tags=["system"],
