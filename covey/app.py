@@ -21,7 +21,7 @@ from fastapi.responses import HTMLResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from covey import __version__, errors
+from covey import __version__, errors, metrics
 from covey.admission import ReadAdmission
 from covey.api import (
     administration,
@@ -263,7 +263,8 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
                 "lease_ms": orch.settings.lease_ms}
 
     @app.get("/metrics", tags=["system"], response_class=PlainTextResponse)
-    async def metrics_endpoint() -> PlainTextResponse:
+    async def metrics_endpoint(orch: Orch) -> PlainTextResponse:
+        await metrics.read_state(orch.pool)
         return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/api/v1/events", tags=["system"], response_class=StreamingResponse,
