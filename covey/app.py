@@ -29,6 +29,7 @@ from covey.api import (
     audit,
     auth,
     daemon,
+    docs,
     flags,
     fleet,
     notifications,
@@ -240,12 +241,16 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
             await pool.close()
             await switch_pool.close()
 
+    # /docs is covey.api.docs (Swagger UI served by the app, offline); no /redoc, whose
+    # script would come from a CDN.
     app = FastAPI(title="covey", version=__version__, lifespan=lifespan,
-                  description="Agent control plane with kill switches (covey-compatible).")
+                  description="Agent control plane with kill switches (covey-compatible).",
+                  docs_url=None, redoc_url=None)
     errors.install(app)
     app.openapi = lambda: document(app)  # type: ignore[method-assign]
     for router in (auth.router, agents.router, fleet.router, flags.router, trigger.router,
-                   notifications.router, daemon.router, administration.router, audit.router):
+                   notifications.router, daemon.router, administration.router, audit.router,
+                   docs.router):
         app.include_router(router)
 
     @app.get("/healthz", tags=["system"],

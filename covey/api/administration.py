@@ -49,11 +49,16 @@ def csrf_token(session_token: str) -> str:
     return hashlib.sha256(f"csrf:{session_token}".encode()).hexdigest()
 
 
+def page_headers(csp: str = CSP) -> dict[str, str]:
+    """The headers of every page the app renders (this one's and /docs): no framing, no
+    sniffing, no caching, no referrer beyond the app."""
+    return {"Content-Security-Policy": csp, "X-Frame-Options": "DENY",
+            "Cache-Control": "no-store", "Referrer-Policy": "same-origin",
+            "X-Content-Type-Options": "nosniff"}
+
+
 def _page(html: str, status: int = 200) -> HTMLResponse:
-    return HTMLResponse(html, status, headers={
-        "Content-Security-Policy": CSP, "X-Frame-Options": "DENY",
-        "Cache-Control": "no-store", "Referrer-Policy": "same-origin",
-        "X-Content-Type-Options": "nosniff"})
+    return HTMLResponse(html, status, headers=page_headers())
 
 
 def _refusal(status: int, error: str, hint: str, request: Request) -> Response:
