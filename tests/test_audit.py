@@ -105,7 +105,8 @@ async def test_filters_and_pages(world: World) -> None:
         before = page[-1]["id"]
     assert paged == [e["id"] for e in everything] and len(paged) == 6
     for bad in ({"limit": 0}, {"limit": 1001}, {"kind": "x%"}, {"agent_id": "nope"},
-                {"since": "yesterday"}, {"before": 0}):
+                {"since": "yesterday"}, {"until": "0.5"}, {"since": "1700000000"},
+                {"before": 0}):
         r = await read.get("/api/v1/audit", params=bad)
         assert r.status_code == 422, (bad, r.text)
     r = await read.get("/api/v1/audit", params={"agent_id": str(uuid.uuid4())})

@@ -5,11 +5,13 @@ standing one)."""
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Annotated
 from uuid import UUID
 
 from fastapi import APIRouter, Query
+from pydantic import BeforeValidator
 
 from covey.api.agents import agent_of_org
 from covey.api.deps import AuditReader, Orch
@@ -27,6 +29,17 @@ CASE WHEN l.action LIKE 'agent.%' AND l.target ~ {_UUID} THEN l.target::uuid
           THEN (SELECT t.agent_id FROM backlog_tasks t WHERE t.id = l.target::uuid)
      WHEN l.detail->>'agent_id' ~ {_UUID} THEN (l.detail->>'agent_id')::uuid
 END"""
+
+
+def _not_a_number(value: object) -> object:
+    # Pydantic would read "0.5" as seconds since 1970: a time here is written as a time.
+    if isinstance(value, str | int | float) and re.fullmatch(r"\s*[+-]?[\d.]+(e[+-]?\d+)?\s*",
+                                                             str(value), re.IGNORECASE):
+        raise ValueError("give an ISO 8601 time, such as 2026-12-02T18:00:00Z")
+    return value
+
+
+Instant = Annotated[datetime, BeforeValidator(_not_a_number)]
 
 
 def _utc(value: datetime | None, name: str) -> datetime | None:
@@ -49,8 +62,8 @@ async def audit_log(
         min_length=1, max_length=64, pattern=r"^[a-z][a-z_.]*$",
         description="an action (`fleet.kill`) or its family (`fleet`, `flag.tool`)")] = None,
     agent_id: Annotated[UUID | None, Query(description="entries about this agent")] = None,
-    since: Annotated[datetime | None, Query(description="at or after this time")] = None,
-    until: Annotated[datetime | None, Query(description="before this time")] = None,
+    since: Annotated[Instant | None, Query(description="at or after this time")] = None,
+    until: Annotated[Instant | None, Query(description="before this time")] = None,
     before: Annotated[int | None, Query(
         ge=1, le=MAX_EXACT_INT,
         description="entries older than this id: the last id of the previous page")] = None,
