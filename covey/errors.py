@@ -55,6 +55,12 @@ def stopped() -> ApiError:
     return ApiError(409, "Agent or fleet is stopped", "resume it first.")
 
 
+UNREACHABLE_HINT = (
+    "Nothing can be recorded until it is back, so this request may not have taken effect: "
+    "retry it (kills and resumes are safe to repeat); GET /healthz tells when the database "
+    "answers again.")
+
+
 def error_body(error: str, hint: str, **extra: Any) -> dict[str, Any]:
     return {"error": error, "hint": hint, **extra}
 
@@ -113,12 +119,8 @@ def install(app: FastAPI) -> None:
     # says to pull it again, which is safe: every switch is idempotent.
     async def _database_unreachable(_: Request, exc: Exception) -> JSONResponse:
         log.warning("database unreachable", error=repr(exc))
-        return JSONResponse(error_body(
-            "Database unreachable",
-            "Nothing can be recorded until it is back, so this request may not have taken "
-            "effect: retry it (kills and resumes are safe to repeat); GET /healthz tells "
-            "when the database answers again."), status_code=503,
-            headers={"Retry-After": "1"})
+        return JSONResponse(error_body("Database unreachable", UNREACHABLE_HINT),
+                            status_code=503, headers={"Retry-After": "1"})
 
     for unreachable in UNREACHABLE:
         app.add_exception_handler(unreachable, _database_unreachable)
