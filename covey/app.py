@@ -241,6 +241,7 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
             await asyncio.gather(*loops, return_exceptions=True)
             await orch.runner.close()
             await app.state.db_probe.close()
+            app.state.sign_in.close()
             await pool.close()
             await switch_pool.close()
 
