@@ -40,6 +40,7 @@ PROBE_TIMEOUT_S = 1.0
 PROBE_EVERY_S = 1.0
 OUTAGE_ANSWER_S = PROBE_AFTER_S + PROBE_TIMEOUT_S  # the bound the README states: 1.5 s
 HEALTH_TIMEOUT_S = 0.8
+PROBE_ABANDON_S = 5.0  # a probe's connection that has not answered by then is dropped
 # Left alone: they answer without the database, or bound their own wait for it.
 UNWATCHED = (*UNBOUNDED_READS, "/healthz", "/metrics")
 
@@ -72,8 +73,16 @@ class DatabaseProbe:
     async def _probe(self) -> bool:
         try:
             if self._conn is None or self._conn.is_closed():
-                self._conn = await asyncpg.connect(self._url)
-            await self._conn.fetchval("SELECT 1")
+                self._conn = await asyncpg.connect(self._url, timeout=PROBE_ABANDON_S)
+            # A query on a link that swallows bytes (a blackhole) would never end, nor would
+            # every probe after it: its connection is dropped instead, and the next probe
+            # makes a new one.
+            abandon = asyncio.get_running_loop().call_later(PROBE_ABANDON_S,
+                                                            self._conn.terminate)
+            try:
+                await self._conn.fetchval("SELECT 1")
+            finally:
+                abandon.cancel()
         except Exception as exc:
             log.info("database probe failed", error=repr(exc))
             if self._conn is not None:

@@ -16,12 +16,18 @@ import asyncpg
 import httpx
 import pytest
 
-from covey.outage import HEALTH_TIMEOUT_S, OUTAGE_ANSWER_S
+from covey.outage import (
+    HEALTH_TIMEOUT_S,
+    OUTAGE_ANSWER_S,
+    PROBE_ABANDON_S,
+    PROBE_TIMEOUT_S,
+    DatabaseProbe,
+)
 from covey.testing import SCRIPTED_DAEMON
 from covey.testing.plane import World, make_world, start_plane
-from harness.nemesis import Nemesis
+from harness.nemesis import FaultProxy, Nemesis
 from harness.nemesis.database import EmbeddedPostgres
-from harness.postgres import create_database, postgres_server
+from harness.postgres import create_database, link_of, postgres_server, through
 from harness.waiting import eventually
 
 # The bound the answer must keep, with room for a loaded machine's event loop; well under
@@ -120,3 +126,27 @@ async def test_a_slow_request_on_a_healthy_database_is_not_cut_off(world: World)
         assert answer.status_code == 200, answer.text
     finally:
         await conn.close()
+
+
+async def test_the_probe_answers_again_after_a_blackholed_link_heals(database_url: str
+                                                                     ) -> None:
+    """A link that swallows every byte: the probe says no within its bound while it stands,
+    and yes again once it heals. (The proxy delivers what it held on heal, so this does not
+    show the dropping of a probe's connection after PROBE_ABANDON_S, which serves a peer
+    gone for good.)"""
+    link = link_of(database_url)
+    host, port = (link[len("unix:"):], None) if link.startswith("unix:") else (
+        link.rpartition(":")[0], int(link.rpartition(":")[2]))
+    async with FaultProxy(host, port, name="database", control_port=None) as proxy:
+        probe = DatabaseProbe(through(database_url, proxy.port))
+        try:
+            assert await probe.answers()
+            await proxy.inject("blackhole", deadline_s=60)
+            for _ in range(3):  # before, at and after the probe under way gives up
+                answer, took = await _timed(probe.answers())
+                assert answer is False and took < PROBE_TIMEOUT_S + SLACK_S, (answer, took)
+            await proxy.heal()
+            await eventually(probe.answers, PROBE_ABANDON_S + 20,
+                             "the probe never answered again after the link healed")
+        finally:
+            await probe.close()
