@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from covey.testing.plane import World
-from harness.waiting import eventually
+from harness.stack.waiting import eventually
 
 
 class Scrape:

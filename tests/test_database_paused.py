@@ -27,8 +27,8 @@ from covey.testing import SCRIPTED_DAEMON
 from covey.testing.plane import World, make_world, start_plane
 from harness.nemesis import FaultProxy, Nemesis
 from harness.nemesis.database import EmbeddedPostgres
-from harness.postgres import create_database, link_of, postgres_server, through
-from harness.waiting import eventually
+from harness.stack.postgres import create_database, link_of, postgres_server, through
+from harness.stack.waiting import eventually
 
 # The bound the answer must keep, with room for a loaded machine's event loop; well under
 # the pause, so that an answer given only once the database was back fails.

@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from covey.testing.plane import World
-from harness.browser import chromium
+from harness.act.browser import chromium
 
 
 async def test_the_docs_page_and_its_assets_come_from_the_app(world: World) -> None:

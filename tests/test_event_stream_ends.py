@@ -11,7 +11,7 @@ import time
 import httpx
 
 from covey.testing.plane import World
-from harness.waiting import eventually
+from harness.stack.waiting import eventually
 
 PASSWORD = "correct horse battery"  # covey.testing.plane's humans
 # Well inside the streams' 15 s keep-alive check: an end within it came from the
