@@ -21,27 +21,32 @@ from fastapi.responses import HTMLResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from covey import __version__, errors
+from covey import __version__, errors, metrics
 from covey.admission import ReadAdmission
 from covey.api import (
     administration,
     agents,
+    audit,
     auth,
     daemon,
+    docs,
     flags,
     fleet,
     notifications,
     trigger,
 )
-from covey.api.deps import AnyRole
+from covey.api.deps import AnyRole, Orch, credential_hash, credential_left_s
 from covey.api.openapi import document
 from covey.config import Settings
 from covey.cpu_group import make_cpu_group
-from covey.db import DatabaseUnavailable, create_pool, migrate
+from covey.db import create_pool, migrate
 from covey.embedded_postgres import EmbeddedPostgres, attach, release
+from covey.events import EventStream
 from covey.hub import DaemonHub
 from covey.orchestrator import Orchestrator
+from covey.outage import HEALTH_TIMEOUT_S, DatabaseProbe, OutageDeadline
 from covey.sandbox import DockerProvider, ProcessProvider, Runner, SandboxProvider
+from covey.sign_in import SignIn
 
 log = structlog.get_logger(__name__)
 
@@ -101,42 +106,6 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-class EventStream:
-    """Status changes from every replica (NOTIFY covey_events) to SSE subscribers here."""
-
-    def __init__(self) -> None:
-        self._subscribers: set[tuple[UUID, asyncio.Queue[str]]] = set()
-
-    def publish(self, raw: str) -> None:
-        try:
-            event = json.loads(raw)
-            org = UUID(event["org_id"])
-            agents = event.pop("agents", None) or [event["agent_id"]]
-        except (ValueError, KeyError, TypeError):
-            return
-        lines = [json.dumps({**event, "agent_id": a}) for a in agents]
-        for sub_org, queue in list(self._subscribers):
-            if sub_org == org and queue.qsize() < 1000:
-                for line in lines:
-                    queue.put_nowait(line)
-
-    async def stream(self, org_id: UUID) -> AsyncIterator[str]:
-        queue: asyncio.Queue[str] = asyncio.Queue()
-        entry = (org_id, queue)
-        self._subscribers.add(entry)
-        try:
-            yield ": connected\n\n"
-            while True:
-                try:
-                    raw = await asyncio.wait_for(queue.get(), 15)
-                except TimeoutError:
-                    yield ": keep-alive\n\n"
-                    continue
-                yield f"event: status\ndata: {raw}\n\n"
-        finally:
-            self._subscribers.discard(entry)
-
-
 async def _every(seconds: float, name: str, step: Callable[[], Awaitable[None]]) -> None:
     """Run step on a fixed cadence; a failure is logged and the loop goes on."""
     while True:
@@ -171,13 +140,17 @@ class Listener:
             self.orch.spawn(self.orch.renew_leases())
         elif channel == "covey_events":
             self.events.publish(payload)
+        elif channel == "covey_credentials":  # a session ended or its human changed
+            with contextlib.suppress(ValueError):
+                self.events.credentials_changed(UUID(payload))
 
     async def run(self) -> None:
         while True:
             conn: asyncpg.Connection[asyncpg.Record] | None = None
             try:
                 conn = await asyncpg.connect(self.url)
-                for channel in ("covey_wake", "covey_kill", "covey_leases", "covey_events"):
+                for channel in ("covey_wake", "covey_kill", "covey_leases", "covey_events",
+                                "covey_credentials"):
                     await conn.add_listener(channel, self._on_notify)
                 closed = asyncio.Event()
                 conn.add_termination_listener(lambda _c, ev=closed: ev.set())
@@ -246,6 +219,9 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
                              orch.sandbox_exited, settings.warm_sync_s, settings.warm_idle_s)
         orch.hand_over = functools.partial(daemon.hand_over, orch)
         app.state.orchestrator = orch
+        app.state.db_probe = DatabaseProbe(url)
+        app.state.sign_in = SignIn(pool, settings)
+        await app.state.sign_in.prepare()
         listener = Listener(url, orch, events)
         loops = [
             asyncio.create_task(listener.run()),
@@ -264,41 +240,59 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
                 loop.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
             await orch.runner.close()
+            await app.state.db_probe.close()
+            app.state.sign_in.close()
             await pool.close()
             await switch_pool.close()
 
+    # /docs is covey.api.docs (Swagger UI served by the app, offline); no /redoc, whose
+    # script would come from a CDN.
     app = FastAPI(title="covey", version=__version__, lifespan=lifespan,
-                  description="Agent control plane with kill switches (covey-compatible).")
+                  description="Agent control plane with kill switches (covey-compatible).",
+                  docs_url=None, redoc_url=None)
     errors.install(app)
     app.openapi = lambda: document(app)  # type: ignore[method-assign]
     for router in (auth.router, agents.router, fleet.router, flags.router, trigger.router,
-                   notifications.router, daemon.router, administration.router):
+                   notifications.router, daemon.router, administration.router, audit.router,
+                   docs.router):
         app.include_router(router)
 
     @app.get("/healthz", tags=["system"],
              responses={503: {"description": "Database unreachable"}})
     async def healthz(request: Request) -> dict[str, Any]:
         orch: Orchestrator = request.app.state.orchestrator
-        try:
-            await orch.pool.fetchval("SELECT 1", timeout=2)
-        except (DatabaseUnavailable, asyncpg.PostgresError, TimeoutError) as exc:
+        # Within HEALTH_TIMEOUT_S, whatever the database does: a paused one once kept this
+        # answer for more than 3 s (covey.outage).
+        if not await request.app.state.db_probe.answers(HEALTH_TIMEOUT_S):
             raise errors.ApiError(503, "Database unreachable",
-                                  f"Kills cannot be recorded until it is back: {exc}") from None
+                                  f"It did not answer within {HEALTH_TIMEOUT_S:g} s; kills "
+                                  "cannot be recorded until it is back.")
         # The lease a daemon holds: how long a cut control channel may leave an agent
         # running, which a game day against this deployment must know to judge it.
         return {"ok": True, "node": orch.node, "version": __version__,
                 "lease_ms": orch.settings.lease_ms}
 
     @app.get("/metrics", tags=["system"], response_class=PlainTextResponse)
-    async def metrics_endpoint() -> PlainTextResponse:
+    async def metrics_endpoint(orch: Orch) -> PlainTextResponse:
+        await metrics.read_state(orch.pool)
         return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/api/v1/events", tags=["system"], response_class=StreamingResponse,
              responses={200: {"description": "An endless event stream",
                               "content": {"text/event-stream": {"schema": {"type": "string"}}}}})
-    async def status_events(who: AnyRole) -> StreamingResponse:
-        """Server-sent events: one `status` event per agent status change in your org."""
-        return StreamingResponse(events.stream(who.org_id), media_type="text/event-stream",
+    async def status_events(who: AnyRole, request: Request, orch: Orch) -> StreamingResponse:
+        """Server-sent events: one `status` event per agent status change in your org. The
+        stream ends, with an `end` event, when its session does (logout, expiry, a revoked
+        token, a change of role): sign in again and reconnect."""
+        hashed = credential_hash(request)
+
+        def holds() -> Awaitable[float | None]:
+            return credential_left_s(orch, who, hashed)
+        left = await holds()
+        if left is None:  # ended between the check of the role and now
+            raise errors.ApiError(401, "Session expired or token unknown", "Sign in again.")
+        return StreamingResponse(events.stream(who.org_id, who.human_id, left, holds),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store"})
 
     @app.get("/", include_in_schema=False, response_class=HTMLResponse)
@@ -309,5 +303,6 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
     wrapped.add_middleware(ReadAdmission, concurrency=settings.read_concurrency,
                            queue=settings.read_queue)
     wrapped.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    wrapped.add_middleware(OutageDeadline)
     wrapped.add_middleware(errors.ContainErrors)  # outermost: also around the body limit
     return app

@@ -64,6 +64,18 @@ class Settings:
     switch_connections: int = 4
     # "auto": the process sandboxes share one CPU cgroup where one can be made (covey/cpu_group.py).
     sandbox_cpu_group: str = "auto"
+    # covey.sign_in: failed sign-ins allowed per account and per client address before each
+    # further one waits (back-off doubling from login_backoff_s up to login_backoff_max_s);
+    # argon2 verifications at once (the rest queue, then 429).
+    login_failures_per_account: int = 5
+    login_failures_per_address: int = 20
+    login_backoff_s: int = 2
+    login_backoff_max_s: int = 900
+    login_hashing: int = 1
+    # The session cookie's Secure attribute: "auto" when the request came over TLS (as uvicorn
+    # sees it, X-Forwarded-Proto of a trusted proxy included), "always" behind a TLS proxy that
+    # does not say so.
+    cookie_secure: str = "auto"
 
     @property
     def kill_ack_bound_s(self) -> float | None:
@@ -96,6 +108,9 @@ class Settings:
         cpu_group = env.get("COVEY_SANDBOX_CPU_GROUP", "auto")
         if cpu_group not in ("auto", "off"):
             raise ConfigError(f"COVEY_SANDBOX_CPU_GROUP={cpu_group!r}: use 'auto' or 'off'")
+        cookie_secure = env.get("COVEY_COOKIE_SECURE", "auto")
+        if cookie_secure not in ("auto", "always"):
+            raise ConfigError(f"COVEY_COOKIE_SECURE={cookie_secure!r}: use 'auto' or 'always'")
         return cls(
             database_url=env.get("DATABASE_URL") or None,
             data_dir=Path(env.get("COVEY_DATA_DIR", ".covey")).absolute(),
@@ -121,6 +136,12 @@ class Settings:
             read_queue=_int_env(env, "COVEY_READ_QUEUE", 32, 0),
             switch_connections=_int_env(env, "COVEY_SWITCH_CONNECTIONS", 4, 1),
             sandbox_cpu_group=cpu_group,
+            login_failures_per_account=_int_env(env, "COVEY_LOGIN_FAILURES_PER_ACCOUNT", 5, 1),
+            login_failures_per_address=_int_env(env, "COVEY_LOGIN_FAILURES_PER_ADDRESS", 20, 1),
+            login_backoff_s=_int_env(env, "COVEY_LOGIN_BACKOFF_S", 2, 1),
+            login_backoff_max_s=_int_env(env, "COVEY_LOGIN_BACKOFF_MAX_S", 900, 1),
+            login_hashing=_int_env(env, "COVEY_LOGIN_HASHING", 1, 1),
+            cookie_secure=cookie_secure,
         )
 
 

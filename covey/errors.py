@@ -23,11 +23,13 @@ log = structlog.get_logger(__name__)
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, error: str, hint: str) -> None:
+    def __init__(self, status: int, error: str, hint: str,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(error)
         self.status = status
         self.error = error
         self.hint = hint
+        self.headers = headers  # such as a 429's Retry-After
 
 
 class Problem(BaseModel):
@@ -51,6 +53,12 @@ def not_found(what: str) -> ApiError:
 def stopped() -> ApiError:
     # The exact text covey answers with; operators' scripts grep for it.
     return ApiError(409, "Agent or fleet is stopped", "resume it first.")
+
+
+UNREACHABLE_HINT = (
+    "Nothing can be recorded until it is back, so this request may not have taken effect: "
+    "retry it (kills and resumes are safe to repeat); GET /healthz tells when the database "
+    "answers again.")
 
 
 def error_body(error: str, hint: str, **extra: Any) -> dict[str, Any]:
@@ -97,7 +105,8 @@ def allowed_methods(app: FastAPI, path: str) -> list[str]:
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(error_body(exc.error, exc.hint), status_code=exc.status)
+        return JSONResponse(error_body(exc.error, exc.hint), status_code=exc.status,
+                            headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -110,12 +119,8 @@ def install(app: FastAPI) -> None:
     # says to pull it again, which is safe: every switch is idempotent.
     async def _database_unreachable(_: Request, exc: Exception) -> JSONResponse:
         log.warning("database unreachable", error=repr(exc))
-        return JSONResponse(error_body(
-            "Database unreachable",
-            "Nothing can be recorded until it is back, so this request may not have taken "
-            "effect: retry it (kills and resumes are safe to repeat); GET /healthz tells "
-            "when the database answers again."), status_code=503,
-            headers={"Retry-After": "1"})
+        return JSONResponse(error_body("Database unreachable", UNREACHABLE_HINT),
+                            status_code=503, headers={"Retry-After": "1"})
 
     for unreachable in UNREACHABLE:
         app.add_exception_handler(unreachable, _database_unreachable)

@@ -215,11 +215,19 @@ async def record(conn: Connection, agent_id: UUID, session_id: UUID | None, kind
 
 async def audit(conn: Connection, org_id: UUID | None, actor_id: UUID | None, action: str,
                 target: str, detail: dict[str, Any] | None = None) -> None:
-    await conn.execute(
+    """In the audit log (GET /api/v1/audit), and on the server's log at INFO with who and
+    why: switch pulls were once only in the table, out of reach of the log's alerts. Logged
+    as written, inside the caller's transaction; a transaction that then fails logs that."""
+    detail = detail or {}
+    actor = await conn.fetchval(
         "INSERT INTO audit_log (org_id, actor_id, action, target, detail)"
-        " VALUES ($1, $2, $3, $4, $5)",
-        org_id, actor_id, action, target, detail or {},
+        " VALUES ($1, $2, $3, $4, $5)"
+        " RETURNING (SELECT email FROM humans WHERE id=$2)",
+        org_id, actor_id, action, target, detail,
     )
+    log.info("audit", action=action, actor=actor or "the control plane",
+             org_id=str(org_id) if org_id else None, target=target,
+             why=detail.get("reason"), detail=detail)
 
 
 async def requeue_in_progress(conn: Connection, where: str, args: list[Any], note: str

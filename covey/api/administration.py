@@ -9,7 +9,6 @@ orchestrator calls as the API, so it lands in the audit log with who, what and w
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import secrets
@@ -23,7 +22,6 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from jinja2 import Environment, PackageLoader, select_autoescape
 
 from covey.api.agents import AGENT_COLUMNS, AGENT_JOINS
-from covey.api.auth import SESSION_HOURS
 from covey.api.deps import (
     KILLERS,
     SECURITY,
@@ -31,10 +29,11 @@ from covey.api.deps import (
     Principal,
     arrived,
     current_principal,
+    sign_in_lane,
 )
 from covey.errors import ApiError
 from covey.orchestrator import Orchestrator
-from covey.security import hash_password, new_token, token_hash, verify_password
+from covey.sign_in import client_address
 
 router = APIRouter(prefix="/administration", include_in_schema=False)
 LOGIN_CSRF_COOKIE = "covey_login_csrf"
@@ -43,8 +42,6 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'se
 _templates = Environment(loader=PackageLoader("covey", "templates"),
                          autoescape=select_autoescape(["html"]))
 STATIC = {"admin.js": "text/javascript", "admin.css": "text/css"}
-# A fixed hash to verify against when the email is unknown: the answer takes as long.
-_NOBODY = hash_password(secrets.token_urlsafe(16))
 
 
 def csrf_token(session_token: str) -> str:
@@ -52,11 +49,16 @@ def csrf_token(session_token: str) -> str:
     return hashlib.sha256(f"csrf:{session_token}".encode()).hexdigest()
 
 
+def page_headers(csp: str = CSP) -> dict[str, str]:
+    """The headers of every page the app renders (this one's and /docs): no framing, no
+    sniffing, no caching, no referrer beyond the app."""
+    return {"Content-Security-Policy": csp, "X-Frame-Options": "DENY",
+            "Cache-Control": "no-store", "Referrer-Policy": "same-origin",
+            "X-Content-Type-Options": "nosniff"}
+
+
 def _page(html: str, status: int = 200) -> HTMLResponse:
-    return HTMLResponse(html, status, headers={
-        "Content-Security-Policy": CSP, "X-Frame-Options": "DENY",
-        "Cache-Control": "no-store", "Referrer-Policy": "same-origin",
-        "X-Content-Type-Options": "nosniff"})
+    return HTMLResponse(html, status, headers=page_headers())
 
 
 def _refusal(status: int, error: str, hint: str, request: Request) -> Response:
@@ -113,27 +115,23 @@ async def administration(request: Request) -> Response:
 
 @router.post("/login")
 async def login(request: Request) -> Response:
-    orch: Orchestrator = request.app.state.orchestrator
     form = await _form(request)
     expected = request.cookies.get(LOGIN_CSRF_COOKIE, "")
     if not expected or not hmac.compare_digest(form.get("csrf", ""), expected):
         return _refusal(403, "The sign-in form has expired",
                         "Open /administration again and sign in from there.", request)
-    row = await orch.pool.fetchrow(
-        "SELECT id, password_hash FROM humans WHERE email=$1", form.get("email", "").lower())
-    # Argon2 takes tens of milliseconds of CPU: off the event loop, which renews leases and
-    # answers kills meanwhile.
-    if not await asyncio.to_thread(verify_password, row["password_hash"] if row else _NOBODY,
-                                   form.get("password", "")) or row is None:
-        return RedirectResponse("/administration?failed=1", 303)
-    token = new_token("cvs")
-    await orch.pool.execute(
-        "INSERT INTO web_sessions (token_hash, human_id, expires_at)"
-        " VALUES ($1, $2, now() + make_interval(hours => $3))",
-        token_hash(token), row["id"], SESSION_HOURS)
+    lane = sign_in_lane(request)
+    try:  # the API's sign-in, its limits included: this is the same door
+        row = await lane.verify(form.get("email", ""), form.get("password", ""),
+                                client_address(request))
+    except ApiError as exc:
+        if exc.status != 429:
+            return RedirectResponse("/administration?failed=1", 303)
+        refusal = _refusal(429, exc.error, exc.hint, request)
+        refusal.headers.update(exc.headers or {})
+        return refusal
     response = RedirectResponse("/administration", 303)
-    response.set_cookie(SESSION_COOKIE, token, httponly=True, samesite="strict",
-                        max_age=SESSION_HOURS * 3600)
+    lane.set_cookie(response, request, await lane.start_session(row["id"]))
     response.delete_cookie(LOGIN_CSRF_COOKIE, path="/administration")
     return response
 
@@ -220,7 +218,7 @@ async def logout(request: Request) -> Response:
     await request.app.state.orchestrator.pool.execute(
         "DELETE FROM web_sessions WHERE human_id=$1", who.human_id)
     response = RedirectResponse("/administration", 303)
-    response.delete_cookie(SESSION_COOKIE)
+    sign_in_lane(request).clear_cookie(response, request)
     return response
 
 

@@ -6,47 +6,39 @@ import asyncio
 from uuid import UUID, uuid4
 
 import asyncpg
-from fastapi import APIRouter, Response, status
+from fastapi import APIRouter, Request, Response, status
 
-from covey.api.deps import SESSION_COOKIE, Orch, OrgAdmin, PlatformAdmin, Signed
+from covey.api.deps import Orch, OrgAdmin, PlatformAdmin, Signed, SignInLane
 from covey.api.models import LoginIn, MemberIn, MeOut, OrgIn, OrgOut, TokenIn, TokenOut
 from covey.db import Connection
 from covey.errors import ApiError
 from covey.orchestrator import audit
-from covey.security import hash_password, new_token, token_hash, verify_password
+from covey.security import hash_password, new_token, token_hash
+from covey.sign_in import client_address
 
 router = APIRouter(prefix="/api/v1", tags=["auth"])
 
-SESSION_HOURS = 12
-
 
 @router.post("/auth/login", response_model=MeOut,
-             responses={401: {"description": "Wrong email or password"}})
-async def login(body: LoginIn, response: Response, orch: Orch) -> MeOut:
-    row = await orch.pool.fetchrow(
-        "SELECT id, org_id, email, role, password_hash FROM humans WHERE email=$1",
-        body.email.lower(),
-    )
-    # Argon2 takes tens of milliseconds of CPU: off the event loop, which renews leases and
-    # answers kills meanwhile.
-    if row is None or not await asyncio.to_thread(verify_password, row["password_hash"],
-                                                  body.password):
-        raise ApiError(401, "Wrong email or password", "Check both; passwords are case-sensitive.")
-    token = new_token("cvs")
-    await orch.pool.execute(
-        "INSERT INTO web_sessions (token_hash, human_id, expires_at)"
-        " VALUES ($1, $2, now() + make_interval(hours => $3))",
-        token_hash(token), row["id"], SESSION_HOURS,
-    )
-    response.set_cookie(SESSION_COOKIE, token, httponly=True, samesite="strict",
-                        max_age=SESSION_HOURS * 3600)
+             responses={401: {"description": "Wrong email or password"},
+                        429: {"description": "Too many failed sign-ins for this account or "
+                                             "from this address, or too many at once: retry "
+                                             "after the `Retry-After` seconds"}})
+async def login(body: LoginIn, request: Request, response: Response,
+                lane: SignInLane) -> MeOut:
+    """Sign in; the session cookie lasts 12 hours (`Secure` over TLS). Failed attempts are
+    limited per account and per address (covey.sign_in)."""
+    row = await lane.verify(body.email, body.password, client_address(request))
+    lane.set_cookie(response, request, await lane.start_session(row["id"]))
     return MeOut(id=row["id"], org_id=row["org_id"], email=row["email"], role=row["role"])
 
 
 @router.post("/auth/logout", status_code=status.HTTP_204_NO_CONTENT)
-async def logout(who: Signed, response: Response, orch: Orch) -> None:
+async def logout(who: Signed, request: Request, response: Response, orch: Orch,
+                 lane: SignInLane) -> None:
+    """End every web session of the caller; their event streams end with them."""
     await orch.pool.execute("DELETE FROM web_sessions WHERE human_id=$1", who.human_id)
-    response.delete_cookie(SESSION_COOKIE)
+    lane.clear_cookie(response, request)
 
 
 @router.get("/auth/me", response_model=MeOut)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -14,13 +15,14 @@ from covey.admission import is_switch
 from covey.errors import ApiError
 from covey.orchestrator import Orchestrator
 from covey.security import token_hash
-
-SESSION_COOKIE = "covey_session"
+from covey.sign_in import SESSION_COOKIE as SESSION_COOKIE  # where it is named, for routes
+from covey.sign_in import SignIn
 
 ORG_ROLES = ("org_admin", "agent_owner", "security", "auditor", "controlling")
 MANAGE = ("org_admin", "agent_owner")
 SECURITY = ("org_admin", "security")
 KILLERS = ("org_admin", "agent_owner", "security")  # manage + security
+AUDIT_READERS = ("org_admin", "security", "auditor")
 
 
 @dataclass(frozen=True)
@@ -46,11 +48,45 @@ def orchestrator(request: Request) -> Orchestrator:
 Orch = Annotated[Orchestrator, Depends(orchestrator)]
 
 
+def sign_in_lane(request: Request) -> SignIn:
+    lane: SignIn = request.app.state.sign_in
+    return lane
+
+
+SignInLane = Annotated[SignIn, Depends(sign_in_lane)]
+
+
 def _credential(request: Request) -> str | None:
     header = request.headers.get("authorization", "")
     if header.lower().startswith("bearer "):
         return header[7:].strip()
     return request.cookies.get(SESSION_COOKIE)
+
+
+def credential_hash(request: Request) -> str:
+    """The hash of the credential the request came with (after current_principal took it)."""
+    return token_hash(_credential(request) or "")
+
+
+async def credential_left_s(orch: Orchestrator, who: Principal, hashed: str) -> float | None:
+    """For how many more seconds this credential holds for `who` as they were (same human,
+    organisation and role): math.inf for an API token; None once it no longer does."""
+    row = await orch.pool.fetchrow(
+        """
+        SELECT h.id, h.org_id, h.role, extract(epoch FROM c.expires_at - now()) AS left_s
+        FROM (SELECT human_id, expires_at FROM web_sessions
+              WHERE token_hash=$1 AND expires_at > now()
+              UNION ALL
+              SELECT human_id, NULL FROM api_tokens WHERE token_hash=$1
+              LIMIT 1) c
+        JOIN humans h ON h.id = c.human_id
+        """,
+        hashed, timeout=5,
+    )
+    if row is None or (row["id"], row["org_id"], row["role"]) != (who.human_id, who.org_id,
+                                                                   who.role):
+        return None
+    return math.inf if row["left_s"] is None else float(row["left_s"])
 
 
 async def current_principal(request: Request, orch: Orch) -> Principal:
@@ -101,4 +137,5 @@ Security = Annotated[Principal, Depends(require(*SECURITY))]
 Killer = Annotated[Principal, Depends(require(*KILLERS))]
 OrgAdmin = Annotated[Principal, Depends(require("org_admin"))]
 PlatformAdmin = Annotated[Principal, Depends(require("platform_admin"))]
+AuditReader = Annotated[Principal, Depends(require(*AUDIT_READERS))]
 Signed = Annotated[Principal, Depends(current_principal)]

@@ -443,3 +443,16 @@ class FlagOut(BaseModel):
 
 class FlagChangeOut(BaseModel):
     changed: bool = Field(description="False when the flag already stood (or was already clear)")
+
+
+class AuditOut(BaseModel):
+    """One audit entry: who did what to which target, and why (`detail.reason`)."""
+
+    id: int
+    at: datetime
+    action: str = Field(description="such as fleet.kill, agent.resume, flag.tool.set")
+    actor_id: UUID | None
+    actor_email: str | None = Field(description="null when the control plane itself acted")
+    target: str
+    agent_id: UUID | None = Field(description="the agent it concerns, if one")
+    detail: dict[str, Any]

@@ -36,8 +36,10 @@ def require_chromium() -> None:
 
 
 @contextmanager
-def chromium(window: str = "1300,1600") -> Iterator[Any]:
-    """A headless Chromium; Selenium Manager downloads nothing (it would fail here)."""
+def chromium(window: str = "1300,1600", offline: bool = False) -> Iterator[Any]:
+    """A headless Chromium; Selenium Manager downloads nothing (it would fail here).
+    `offline`: every request beyond this host goes to a proxy that is not there, as on a
+    machine without internet."""
     require_chromium()
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -46,7 +48,8 @@ def chromium(window: str = "1300,1600") -> Iterator[Any]:
     options.binary_location = CHROMIUM
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                  "--disable-background-networking", "--disable-component-update",
-                 "--no-first-run", f"--window-size={window}"):
+                 "--no-first-run", f"--window-size={window}",
+                 *(("--proxy-server=http://127.0.0.1:9",) if offline else ())):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
