@@ -77,6 +77,21 @@ class Operator:
     async def resume_fleet(self) -> httpx.Response:
         return await self.day.operate(self.role, "resume_fleet", {}, self.client.resume_fleet)
 
+    async def stop_globally(self, reason: str = "game day: global stop") -> httpx.Response:
+        """The platform admin's global kill flag: every agent of every organisation."""
+        return await self._around_a_kill(self.day.operate(
+            self.role, "stop_globally", {}, lambda: self.client.stop_globally(reason)))
+
+    async def clear_global_stop(self, reason: str = "game day: over") -> httpx.Response:
+        return await self.day.operate(self.role, "clear_global_stop", {},
+                                      lambda: self.client.clear_global_stop(reason))
+
+    async def stop_tool(self, agent: AgentRef, tool: str,
+                        reason: str = "game day: tool stopped") -> httpx.Response:
+        a = _id(agent)
+        return await self.day.operate(self.role, "stop_tool", {"agent_id": a, "tool": tool},
+                                      lambda: self.client.stop_tool(tool, a, reason))
+
     async def wake(self, agent: AgentRef) -> httpx.Response:
         a = _id(agent)
         return await self.day.operate(self.role, "wake", {"agent_id": a},
