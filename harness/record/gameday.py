@@ -321,6 +321,10 @@ class GameDay:
 
     # ------------------------------------------------------------------ observations
 
+    def observe(self, f: str, value: dict[str, Any], time_ns: int | None = None) -> None:
+        """Something the harness saw in the system under test, into the history."""
+        self.history.observe(OBSERVER, f, value, time_ns=time_ns)
+
     async def read_tasks(self) -> dict[str, dict[str, Any]]:
         """Every task of every agent, recorded as task_state observations."""
         tasks: dict[str, dict[str, Any]] = {}
@@ -402,12 +406,14 @@ class GameDay:
         the failing service."""
         for agent_id in self.agents:
             for entry in await self.endpoints.puppet.actions(agent_id):
+                # What the request carried back of the call answered before it.
+                result = entry.tool_results[-1] if entry.tool_results else None
                 self.history.observe(f"agent:{agent_id}", "action",
                                      {"step": entry.step, "behaviour": entry.behaviour,
                                       "tool": entry.tool, "args": entry.args,
                                       "prompt_tokens": entry.prompt_tokens,
                                       "completion_tokens": entry.completion_tokens,
-                                      "sent_ns": entry.sent_ns},
+                                      "sent_ns": entry.sent_ns, "result": result},
                                      time_ns=entry.at_ns)
             for at_ns in await self.endpoints.puppet.failed_calls(agent_id):
                 self.history.observe(f"agent:{agent_id}", FAILING_SERVICE_CALL_F, {},
