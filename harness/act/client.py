@@ -124,8 +124,9 @@ class CoveyClient:
     async def sessions(self, agent_id: str) -> httpx.Response:
         return await self.get(f"/api/v1/agents/{agent_id}/sessions")
 
-    async def recording(self, agent_id: str) -> httpx.Response:
-        return await self.get(f"/api/v1/agents/{agent_id}/recording")
+    async def recording(self, agent_id: str, after: int = 0) -> httpx.Response:
+        """An agent's recording events after the event `after`, a page at a time."""
+        return await self.get(f"/api/v1/agents/{agent_id}/recording", after=after)
 
     async def wake(self, agent_id: str) -> httpx.Response:
         return await self.http.post(f"/api/v1/agents/{agent_id}/wake")

@@ -240,8 +240,7 @@ class Until:
         async def acknowledged() -> int | None:
             nonlocal seen
             while True:
-                page = json_of(await reader.get(f"/api/v1/agents/{agent_id}/recording",
-                                                after=seen))
+                page = json_of(await reader.recording(agent_id, after=seen))
                 for e in page:
                     seen = max(seen, int(e["id"]))
                     if (e["kind"], e["status"]) == ("kill_flag", "acknowledged") \
