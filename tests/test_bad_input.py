@@ -325,6 +325,10 @@ async def test_a_lowered_heartbeat_minimum_is_the_one_the_api_holds(
                                                     "every_seconds": 2})
         assert fast.status_code == 422 and "at least 2" in fast.json()["hint"], fast.text
         assert ok.status_code == 201, ok.text
+        # The document says the same, so that a client generated from it sends what passes.
+        schema = (await world.org_admin.get("/openapi.json")).json()
+        assert schema["components"]["schemas"]["HeartbeatIn"]["properties"][
+            "every_seconds"]["minimum"] == 2
 
 
 async def test_manual_fires_stop_at_the_bound_of_unfinished_heartbeat_tasks(
