@@ -194,7 +194,8 @@ class GameDay:
         e = self.endpoints
         if "platform_admin" not in self.people:
             if not (e.platform_email and e.platform_password):
-                raise LookupError(f"the {self.stack} stack has no platform admin")
+                raise LookupError(f"the {self.stack} stack has no platform admin: give "
+                                  f"--target-platform-email and --target-platform-password")
             self.people["platform_admin"] = await CoveyClient.signed_in(
                 e.url, e.platform_email, e.platform_password)
         return self.as_("platform_admin")
