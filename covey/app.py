@@ -251,7 +251,7 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
                   description="Agent control plane with kill switches (covey-compatible).",
                   docs_url=None, redoc_url=None)
     errors.install(app)
-    app.openapi = lambda: document(app)  # type: ignore[method-assign]
+    app.openapi = lambda: document(app, settings.heartbeat_min_s)  # type: ignore[method-assign]
     for router in (auth.router, agents.router, fleet.router, flags.router, trigger.router,
                    notifications.router, daemon.router, administration.router, audit.router,
                    docs.router):

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# Heartbeats once fired every second: fourteen of them filled a backlog with thousands of
+# tasks in minutes. By default no heartbeat fires more often than once a minute.
+HEARTBEAT_MIN_S = 60
 
 
 class ConfigError(ValueError):
@@ -56,6 +59,9 @@ class Settings:
     gameday: str = ""
     warm_sync_s: int = 300
     warm_idle_s: int = 900
+    # The shortest heartbeat period: no heartbeat fires more often (covey.orchestrator). Only
+    # game days lower it, to see a heartbeat come due many times within a minute's stop.
+    heartbeat_min_s: int = HEARTBEAT_MIN_S
     log_level: str = "INFO"
     # covey.admission: reads served at once, and waiting beyond them before a 429; the
     # connections of the switches' own pool, which reads never take.
@@ -131,6 +137,7 @@ class Settings:
             gameday=env.get("COVEY_GAMEDAY", ""),
             warm_sync_s=_int_env(env, "COVEY_WARM_SYNC_S", 300, 1),
             warm_idle_s=_int_env(env, "COVEY_WARM_IDLE_S", 900, 1),
+            heartbeat_min_s=_int_env(env, "COVEY_HEARTBEAT_MIN_S", HEARTBEAT_MIN_S, 1),
             log_level=log_level,
             read_concurrency=_int_env(env, "COVEY_READ_CONCURRENCY", 8, 1),
             read_queue=_int_env(env, "COVEY_READ_QUEUE", 32, 0),

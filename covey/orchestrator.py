@@ -50,10 +50,8 @@ T = TypeVar("T")
 
 LIVE = ("starting", "running")
 
-# Heartbeats once fired every second: fourteen of them filled a backlog with thousands of
-# tasks in minutes. No heartbeat fires more often than this, and none of an agent fires
-# while it already has this many heartbeat tasks unfinished.
-HEARTBEAT_MIN_S = 60
+# No heartbeat fires more often than the settings' heartbeat_min_s (covey.config), and none
+# of an agent fires while it already has this many heartbeat tasks unfinished.
 MAX_OPEN_HEARTBEAT_TASKS = 10
 # Work left in progress under a session that is over is requeued once the session has been
 # over this long (or two leases, if longer): see `requeue_orphaned_work`.
@@ -1231,7 +1229,7 @@ class Orchestrator:
                 )
                 SELECT agent_id FROM created
                 """,
-                HEARTBEAT_MIN_S, MAX_OPEN_HEARTBEAT_TASKS,
+                self.settings.heartbeat_min_s, MAX_OPEN_HEARTBEAT_TASKS,
             )
         stale = await self.pool.fetch(
             """

@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 import websockets
 
-from covey.testing.plane import World, platform_admin_client
+from covey.config import ConfigError, Settings
+from covey.testing import SCRIPTED_DAEMON
+from covey.testing.plane import World, make_world, platform_admin_client, start_plane
 
 
 def _is_error(body: Any) -> bool:
@@ -302,6 +304,31 @@ async def test_heartbeats_have_a_minimum_interval(world: World) -> None:
     r = await world.org_admin.post("/api/v1/agents", json={
         "slug": "twice", "display_name": "twice", "heartbeats": [twice, twice]})
     assert r.status_code == 409 and _is_error(r.json()), r.text
+
+
+def test_the_heartbeat_minimum_is_a_minute_unless_set() -> None:
+    assert Settings.from_env({}).heartbeat_min_s == 60
+    assert Settings.from_env({"COVEY_HEARTBEAT_MIN_S": "2"}).heartbeat_min_s == 2
+    with pytest.raises(ConfigError, match="COVEY_HEARTBEAT_MIN_S"):
+        Settings.from_env({"COVEY_HEARTBEAT_MIN_S": "0"})
+
+
+async def test_a_lowered_heartbeat_minimum_is_the_one_the_api_holds(
+        database_url: str, tmp_path: Any) -> None:
+    async with start_plane(database_url, tmp_path, SCRIPTED_DAEMON, heartbeat_min_s=2) as p, \
+            make_world(p) as world:
+        agent = await world.agent()
+        path = f"/api/v1/agents/{agent['id']}/heartbeats"
+        fast = await world.org_admin.post(path, json={"name": "fast", "task_body": "x",
+                                                      "every_seconds": 1})
+        ok = await world.org_admin.post(path, json={"name": "ok", "task_body": "x",
+                                                    "every_seconds": 2})
+        assert fast.status_code == 422 and "at least 2" in fast.json()["hint"], fast.text
+        assert ok.status_code == 201, ok.text
+        # The document says the same, so that a client generated from it sends what passes.
+        schema = (await world.org_admin.get("/openapi.json")).json()
+        assert schema["components"]["schemas"]["HeartbeatIn"]["properties"][
+            "every_seconds"]["minimum"] == 2
 
 
 async def test_manual_fires_stop_at_the_bound_of_unfinished_heartbeat_tasks(

@@ -53,6 +53,19 @@ HeartbeatPathName = Annotated[str, Path(min_length=1, max_length=64,
                                         pattern=r"^[a-z0-9][a-z0-9_-]*$"),
                               AfterValidator(storable_text)]
 
+
+
+def heartbeats_not_too_fast(heartbeats: list[HeartbeatIn], orch: Orchestrator) -> None:
+    """No heartbeat shorter than the control plane's minimum period (COVEY_HEARTBEAT_MIN_S):
+    a schema cannot say it, the minimum being the running plane's setting."""
+    minimum = orch.settings.heartbeat_min_s
+    fast = sorted(hb.name for hb in heartbeats if hb.every_seconds < minimum)
+    if fast:
+        raise ApiError(422, "Invalid request",
+                       f"every_seconds must be at least {minimum} on this control plane "
+                       f"(COVEY_HEARTBEAT_MIN_S); too short: {', '.join(fast)}.")
+
+
 AGENT_COLUMNS = """
     a.id, a.org_id, a.slug, a.display_name, a.owner_id, a.status, a.killed, a.kill_origin,
     o.fleet_killed, a.warm_sandbox, a.budget_usd::float8 AS budget_usd, a.max_turns, a.model,
@@ -154,6 +167,7 @@ async def list_agents(who: AnyRole, orch: Orch) -> list[AgentOut]:
                                              " heartbeats have one name"}})
 async def create_agent(body: AgentIn, who: Manage, orch: Orch) -> AgentCreatedOut:
     """Create an agent. One created while the fleet stop stands does not run until resume."""
+    heartbeats_not_too_fast(body.heartbeats, orch)
     agent_id = uuid4()
     trigger = new_token("cvtr")
     owner = body.owner_id or who.human_id
@@ -306,6 +320,7 @@ async def heartbeats(agent_id: UUID, who: AnyRole, orch: Orch) -> list[Heartbeat
 async def add_heartbeat(agent_id: UUID, body: HeartbeatIn, who: Manage, orch: Orch
                         ) -> HeartbeatOut:
     await agent_of_org(orch, who.org_id, agent_id)
+    heartbeats_not_too_fast([body], orch)
     try:
         row = await fetch_one(
             orch.pool,

@@ -20,7 +20,8 @@ from pydantic import (
 )
 from pydantic.json_schema import SkipJsonSchema
 
-from covey.orchestrator import HEARTBEAT_MIN_S, MAX_OPEN_HEARTBEAT_TASKS
+from covey.config import HEARTBEAT_MIN_S
+from covey.orchestrator import MAX_OPEN_HEARTBEAT_TASKS
 
 # Postgres refuses NUL in text and jsonb, and UTF-8 has no lone surrogates: either reached
 # the database as a 500 once (from a request), and crashed the daemon channel's handler
@@ -130,9 +131,11 @@ class HeartbeatIn(Strict):
     name: HeartbeatName
     task_body: Text = Field(max_length=4_000)
     every_seconds: Integer = Field(
-        ge=HEARTBEAT_MIN_S, le=7 * 24 * 3600,
-        description=f"At least {HEARTBEAT_MIN_S} s. The scheduler fires no heartbeat of an"
-                    f" agent that has {MAX_OPEN_HEARTBEAT_TASKS} unfinished heartbeat tasks.")
+        ge=1, le=7 * 24 * 3600,
+        description=f"At least the control plane's COVEY_HEARTBEAT_MIN_S ({HEARTBEAT_MIN_S} s"
+                    f" unless set lower); shorter is a 422. The scheduler fires no heartbeat"
+                    f" of an agent that has {MAX_OPEN_HEARTBEAT_TASKS} unfinished heartbeat"
+                    f" tasks.")
 
 
 class HeartbeatOut(BaseModel):

@@ -18,6 +18,7 @@ from fastapi.openapi.utils import get_openapi
 
 from covey.admission import is_bounded_read
 from covey.api.deps import ROLE_CHECKS, SESSION_COOKIE, current_principal
+from covey.config import HEARTBEAT_MIN_S
 from covey.errors import ErrorOut, api_routes
 
 ERROR_REF = "#/components/schemas/ErrorOut"
@@ -97,13 +98,16 @@ def _error_response(description: str) -> dict[str, Any]:
             "content": {"application/json": {"schema": {"$ref": ERROR_REF}}}}
 
 
-def document(app: FastAPI) -> dict[str, Any]:
+def document(app: FastAPI, heartbeat_min_s: int = HEARTBEAT_MIN_S) -> dict[str, Any]:
+    """`heartbeat_min_s`: the running plane's shortest heartbeat period (COVEY_HEARTBEAT_MIN_S),
+    which no static schema knows."""
     if app.openapi_schema:
         return app.openapi_schema
     doc = get_openapi(title=app.title, version=app.version, description=app.description,
                       routes=app.routes)
     components = doc.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
+    schemas["HeartbeatIn"]["properties"]["every_seconds"]["minimum"] = heartbeat_min_s
     for unused in ("HTTPValidationError", "ValidationError"):
         schemas.pop(unused, None)
     error_schema = ErrorOut.model_json_schema(ref_template="#/components/schemas/{model}")

@@ -124,8 +124,9 @@ class CoveyClient:
     async def sessions(self, agent_id: str) -> httpx.Response:
         return await self.get(f"/api/v1/agents/{agent_id}/sessions")
 
-    async def recording(self, agent_id: str) -> httpx.Response:
-        return await self.get(f"/api/v1/agents/{agent_id}/recording")
+    async def recording(self, agent_id: str, after: int = 0) -> httpx.Response:
+        """An agent's recording events after the event `after`, a page at a time."""
+        return await self.get(f"/api/v1/agents/{agent_id}/recording", after=after)
 
     async def wake(self, agent_id: str) -> httpx.Response:
         return await self.http.post(f"/api/v1/agents/{agent_id}/wake")
@@ -156,6 +157,22 @@ class CoveyClient:
 
     async def fleet(self) -> httpx.Response:
         return await self.get("/api/v1/fleet")
+
+    # the scoped kill flags (DESIGN §2.4): global (platform admins) and tool
+    async def stop_globally(self, reason: str) -> httpx.Response:
+        return await self.http.post("/api/v1/flags/global", json={"reason": reason})
+
+    async def clear_global_stop(self, reason: str) -> httpx.Response:
+        return await self.http.post("/api/v1/flags/global/clear", json={"reason": reason})
+
+    async def stop_tool(self, tool: str, agent_id: str | None, reason: str) -> httpx.Response:
+        return await self.http.post("/api/v1/flags/tool", json={
+            "tool": tool, "reason": reason, **({"agent_id": agent_id} if agent_id else {})})
+
+    async def clear_tool_stop(self, tool: str, agent_id: str | None, reason: str
+                              ) -> httpx.Response:
+        return await self.http.post("/api/v1/flags/tool/clear", json={
+            "tool": tool, "reason": reason, **({"agent_id": agent_id} if agent_id else {})})
 
     async def notifications(self) -> httpx.Response:
         return await self.get("/api/v1/notifications")

@@ -9,7 +9,7 @@ state at the moment the rule applies (what a kill answered, what runs while a st
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +73,7 @@ class Expect:
         """Every daemon of the stopped sessions exited with 3 (the kill switch). Returns the
         agents that had one of those sessions."""
         agents = list(agents)
-        stopped = {a["id"]: [s for s in json_of(await self.auditor.sessions(a["id"]))
+        stopped = {a["id"]: [s for s in json_of(await self.day.reader(a["id"]).sessions(a["id"]))
                              if s["id"] in sessions] for a in agents}
         boxes = {s["sandbox_id"] for ss in stopped.values() for s in ss}
         exits = {s["id"]: s["exit_code"] for a in agents
@@ -94,20 +94,33 @@ class Expect:
              "a task in progress at the stop neither went back to open nor finished")
 
     async def nothing_starts(self, agent: dict[str, Any], triggered: dict[str, Any],
-                             heartbeat: str, window_s: float = 2) -> None:
-        """While the fleet stop stands: a new task stays open, and the manual heartbeat and
-        the trigger bounce with 409 and the hint."""
-        admin = self.day.as_("org_admin")
-        fresh = await self.day.task(agent["id"], "arrived during the stop")
+                             heartbeat: str, window_s: float = 2, by: Operator | None = None,
+                             stop: str = "the fleet stop") -> None:
+        """While `stop` stands every wake path refuses: a new task stays open through the
+        new-task wake and the scheduler's ticks, and the manual heartbeat fire, the trigger
+        and a manual wake bounce with 409 and the hint; no session of either agent starts.
+        `by`: who acts (default: the game day's org admin)."""
+        by = self.day.as_("org_admin") if by is None else by
+        agents = {a["id"]: a for a in (agent, triggered)}
+        before = {s["id"] for a in agents for s in await self._sessions(a)}
+        fresh = json_of(await by.create_task(agent, "arrived during the stop"), 201)
         await asyncio.sleep(window_s)  # the window in which nothing may start
-        state = json_of(await self.auditor.task(agent["id"], fresh["id"]))["state"]
-        rule(state == "open", f"a task that arrived during the fleet stop was started "
-             f"(it is {state})")
-        for what, r in (("a manual heartbeat fire",
-                         await admin.fire_heartbeat(triggered, heartbeat)),
-                        ("the external trigger", await admin.trigger(triggered))):
+        state = json_of(await self.day.reader(agent["id"]).task(agent["id"], fresh["id"])
+                        )["state"]
+        rule(state == "open", f"a task that arrived during {stop} was started (it is "
+             f"{state}): the new-task wake or the scheduler's tick ignored the stop")
+        for what, r in (("a manual heartbeat fire", await by.fire_heartbeat(triggered, heartbeat)),
+                        ("the external trigger", await by.trigger(triggered)),
+                        ("a manual wake (POST …/wake)", await by.wake(triggered))):
             rule((r.status_code, r.json()) == (409, STOPPED),
-                 f"{what} was not refused during the fleet stop: {r.status_code} {r.text}")
+                 f"{what} was not refused during {stop}: {r.status_code} {r.text[:200]}")
+        started = {s["id"] for a in agents for s in await self._sessions(a)} - before
+        rule(not started, f"sessions started during {stop}: {sorted(started)}")
+
+    async def _sessions(self, agent_id: str) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = json_of(
+            await self.day.reader(agent_id).sessions(agent_id))
+        return found
 
     def honest_answer(self, answer: httpx.Response, what: str) -> None:
         """An answer given while a fault stands: it took effect (200) or said it could not
@@ -173,19 +186,27 @@ class Expect:
 
     async def fleet_resume_wakes_open_work(self, security: Operator,
                                            agents: Iterable[dict[str, Any]]) -> set[str]:
-        """Fleet resume wakes at once every one of these agents with open work: in its answer,
-        or through the tick the moment the flags cleared (a session new since the resume).
-        Returns the agents the answer woke."""
+        """Fleet resume wakes at once every one of these agents with open work (DESIGN §2.3
+        line 5: not on the next tick). Returns the agents the answer woke."""
+        return await self.release_wakes_open_work(security.resume_fleet, agents,
+                                                  "the fleet resume")
+
+    async def release_wakes_open_work(self, release: Callable[[], Awaitable[httpx.Response]],
+                                      agents: Iterable[dict[str, Any]], what: str
+                                      ) -> set[str]:
+        """`release` (a resume, the global flag cleared) wakes at once every one of these
+        agents with open work: in its answer, or through the tick the moment the flags
+        cleared (a session new since the release). Returns the agents the answer woke."""
         ids = {a["id"] for a in agents}
         with_work = {t["agent_id"] for t in (await self.day.read_tasks()).values()
                      if t["state"] == "open" and t["agent_id"] in ids}
-        before = {s["id"] for a in with_work for s in json_of(await self.auditor.sessions(a))}
-        woken = set(json_of(await security.resume_fleet())["agents_woken"])
+        before = {s["id"] for a in with_work for s in await self._sessions(a)}
+        woken = set(json_of(await release())["agents_woken"])
         at_work = woken & ids
         at_work |= {a for a in with_work - at_work
-                    if {s["id"] for s in json_of(await self.auditor.sessions(a))} - before}
-        rule(at_work >= with_work, f"the fleet resume did not wake at once every agent with "
-             f"open work: {sorted(with_work - at_work)}")
+                    if {s["id"] for s in await self._sessions(a)} - before}
+        rule(at_work >= with_work, f"{what} did not wake at once every agent with open "
+             f"work: {sorted(with_work - at_work)}")
         return woken
 
     async def work_done_after_fleet_resume(self, security: Operator,

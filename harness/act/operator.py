@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from harness.act.client import ApiFailure, json_of
+from harness.judge.switch_checkers import KILL_FLAG_ACK_F
 from harness.stack.waiting import eventually
 
 if TYPE_CHECKING:
@@ -29,6 +31,7 @@ AgentRef = dict[str, Any] | str
 READ_BEFORE_KILL_S = 1.0
 READ_AFTER_KILL_S = 10.0
 LIVE_SANDBOX = ("starting", "running")
+RECORDING_PAGE = 1000  # events per read of an agent's recording (the API's page)
 
 
 def _id(agent: AgentRef) -> str:
@@ -76,6 +79,21 @@ class Operator:
 
     async def resume_fleet(self) -> httpx.Response:
         return await self.day.operate(self.role, "resume_fleet", {}, self.client.resume_fleet)
+
+    async def stop_globally(self, reason: str = "game day: global stop") -> httpx.Response:
+        """The platform admin's global kill flag: every agent of every organisation."""
+        return await self._around_a_kill(self.day.operate(
+            self.role, "stop_globally", {}, lambda: self.client.stop_globally(reason)))
+
+    async def clear_global_stop(self, reason: str = "game day: over") -> httpx.Response:
+        return await self.day.operate(self.role, "clear_global_stop", {},
+                                      lambda: self.client.clear_global_stop(reason))
+
+    async def stop_tool(self, agent: AgentRef, tool: str,
+                        reason: str = "game day: tool stopped") -> httpx.Response:
+        a = _id(agent)
+        return await self.day.operate(self.role, "stop_tool", {"agent_id": a, "tool": tool},
+                                      lambda: self.client.stop_tool(tool, a, reason))
 
     async def wake(self, agent: AgentRef) -> httpx.Response:
         a = _id(agent)
@@ -208,6 +226,37 @@ class Until:
         ids = set(self._agents(agents))
         tasks = await self.day.read_tasks()
         return all(t["state"] == "done" for t in tasks.values() if t["agent_id"] in ids)
+
+    async def tool_flag_acknowledged(self, agent: AgentRef, tool: str,
+                                     deadline_s: float = 10) -> int:
+        """The agent's daemon acknowledged a flag on `tool` (its `kill_flag` / `acknowledged`
+        recording event naming `tool:<tool>`), as the control plane recorded it; that
+        acknowledgement lands in the history for `stopped_tool_not_run`. Returns its time
+        (ns, the control plane's clock)."""
+        agent_id, scope = _id(agent), f"tool:{tool}"
+        reader = self.day.reader(agent_id)
+        seen = 0  # the recording is read on from the last event looked at
+
+        async def acknowledged() -> int | None:
+            nonlocal seen
+            while True:
+                page = json_of(await reader.recording(agent_id, after=seen))
+                for e in page:
+                    seen = max(seen, int(e["id"]))
+                    if (e["kind"], e["status"]) == ("kill_flag", "acknowledged") \
+                            and scope in e["detail"].get("stopped", []):
+                        at_ns = int(datetime.fromisoformat(e["at"]).timestamp() * 1e9)
+                        self.day.observe(KILL_FLAG_ACK_F, {
+                            "agent_id": agent_id, "stopped": e["detail"]["stopped"]},
+                            time_ns=at_ns)
+                        return at_ns
+                if len(page) < RECORDING_PAGE:
+                    return None
+        at: int = await eventually(
+            acknowledged, deadline_s, f"agent {agent_id}'s daemon never acknowledged the "
+            f"flag on its {tool} tool (no kill_flag acknowledgement in its recording): a "
+            f"tool flag the daemon does not hold stops nothing")
+        return at
 
     async def stopped_by(self, agent: AgentRef, layer: str, deadline_s: float = 60
                          ) -> dict[str, Any]:

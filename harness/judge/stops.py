@@ -2,12 +2,15 @@
 checkers and for measure alike.
 
 DESIGN §2.3: an agent is held while its own flag stands (from an agent kill until an agent
-resume) or its organisation's (from a fleet kill until a fleet resume). Releasing one agent
-while the fleet stop stands does not free it (line 6), and a fleet resume does not free an
-agent stopped on its own (line 5); so the two scopes are kept apart, never merged into one flag.
+resume) or its organisation's (from a fleet kill until a fleet resume); and (§2.4) every
+agent of every organisation while a platform admin's global flag stands (from
+`stop_globally` until `clear_global_stop`). Releasing one agent while the fleet stop
+stands does not free it (line 6), and a fleet resume does not free an agent stopped on its
+own (line 5); so the scopes are kept apart, never merged into one flag.
 
 Operations: `kill_agent` / `resume_agent` with `value["agent_id"]`; `kill_fleet` /
-`resume_fleet`, with `value["org_id"]` when a game day has more than one organisation.
+`resume_fleet`, with `value["org_id"]` when a game day has more than one organisation;
+`stop_globally` / `clear_global_stop`, which name nothing: they hold every agent.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ from typing import Literal
 
 from harness.record.history import History, Operation
 
-Scope = Literal["agent", "fleet"]
-KILL_SCOPES: dict[str, Scope] = {"kill_agent": "agent", "kill_fleet": "fleet"}
-RESUME_SCOPES: dict[str, Scope] = {"resume_agent": "agent", "resume_fleet": "fleet"}
+Scope = Literal["agent", "fleet", "global"]
+KILL_SCOPES: dict[str, Scope] = {"kill_agent": "agent", "kill_fleet": "fleet",
+                                 "stop_globally": "global"}
+RESUME_SCOPES: dict[str, Scope] = {"resume_agent": "agent", "resume_fleet": "fleet",
+                                   "clear_global_stop": "global"}
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,8 @@ class Stop:
         """Whether this kill stops `agent_id` (of organisation `org_id`, when known)."""
         if self.scope == "agent":
             return self.agent_id == agent_id
+        if self.scope == "global":
+            return True
         return self.org_id is None or org_id is None or self.org_id == org_id
 
     def holds_at(self, time_ns: int) -> bool:
@@ -72,7 +79,7 @@ def stops(history: History) -> list[Stop]:
         org_id = _org_id(kill) if scope == "fleet" else None
         releasing = [r for r in resumes
                      if RESUME_SCOPES[r.f] == scope
-                     and (scope == "fleet" or r.agent_id == agent_id)
+                     and (scope != "agent" or r.agent_id == agent_id)
                      and (scope == "agent" or org_id is None or _org_id(r) in (None, org_id))
                      # A resume finished before the kill began was overtaken by it.
                      and (r.end_ns is None or r.end_ns > kill.start_ns)]

@@ -13,14 +13,20 @@ What they read beside harness/judge/checkers.py's events:
 * `resume_fleet` completions with `body.agents_woken`, and the wake paths' operations
   (`wake`, `fire_heartbeat`, `trigger`) with their `status`;
 * the final state's task `result` (the reason a failed task gives) and each agent's
-  `live_tasks` (the tasks of its sessions still starting or running).
+  `live_tasks` (the tasks of its sessions still starting or running);
+* `stop_tool` operations (`{"agent_id", "tool"}`), `kill_flag_ack` observations (`{"agent_id",
+  "stopped": ["tool:shell", ...]}`, at the control plane's recording of the daemon's
+  acknowledgement) and the ledger's `action`s with `result`: what the request carried back
+  of the call answered before it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import pairwise
 
 from harness.judge.checkers import (
+    ACTION_F,
     ALL_CHECKERS,
     KILL_DELIVERY_F,
     TASK_STATE_F,
@@ -35,6 +41,7 @@ from harness.judge.stops import KILL_SCOPES, holding, stops
 from harness.record.history import History
 
 LEASE_F = "lease"
+KILL_FLAG_ACK_F = "kill_flag_ack"
 SANDBOX_F = "sandbox"
 WAKE_PATHS = ("wake", "fire_heartbeat", "trigger")
 # How much later than its lease a kill may be confirmed (or its daemon end) on a loaded
@@ -357,6 +364,59 @@ def wake_paths_refused_while_stopped(history: History, final: FinalState) -> Ver
                    tuple(i for c in calls for i in c.indexes if c.value.get("status") == 409))
 
 
+def stopped_tool_not_run(history: History, final: FinalState) -> Verdict:
+    """Once an agent's daemon acknowledged a tool flag, no call of that tool ran: each one
+    the model asked for afterwards came back refused ("kill flag set for tool T"), read from
+    the puppet's ledger (the next request carries the call's result), outside the system."""
+    name = "stopped_tool_not_run"
+    flags = [op for op in history.operations("stop_tool") if op.type == "ok" and op.agent_id]
+    if not flags:
+        return Verdict(name, "unknown", "No tool flag was set in this game day.")
+    acks = history.operations(KILL_FLAG_ACK_F)
+    lines: list[str] = []
+    lacking: list[str] = []
+    evidence: set[int] = set()
+    refused = 0
+    for flag in flags:
+        agent, tool = str(flag.agent_id), str(flag.value.get("tool"))
+        ack = next((a for a in acks if a.agent_id == agent and a.start_ns >= flag.start_ns
+                    and f"tool:{tool}" in a.value.get("stopped", ())), None)
+        if ack is None:
+            lacking.append(f"agent {agent}'s daemon never acknowledged the flag on {tool} "
+                           f"set at event {flag.last_index}")
+            continue
+        calls = [op for op in history.operations(ACTION_F) if op.agent_id == agent]
+        asked = [(call, after) for call, after in pairwise(calls)
+                 if call.value.get("tool") == tool and call.start_ns > ack.start_ns
+                 and after.value.get("result") is not None]
+        if not asked:
+            lacking.append(f"agent {agent} asked for no {tool} call after its daemon "
+                           f"acknowledged the flag (event {ack.last_index})")
+            continue
+        ran = [(c, a) for c, a in asked
+               if f"kill flag set for tool {tool}" not in str(a.value["result"])]
+        refused += len(asked) - len(ran)
+        if ran:
+            evidence.update([flag.last_index, ack.last_index,
+                             *(i for c, a in ran for i in (c.first_index, a.first_index))])
+            lines.append(f"{len(ran)} of agent {agent}'s {len(asked)} {tool} calls asked "
+                         f"after its daemon acknowledged the flag (event {ack.last_index}) "
+                         f"ran, the first {_ms(ran[0][0].start_ns - ack.start_ns)} after it "
+                         f"(its result: {str(ran[0][1].value['result'])[:120]})")
+    if lines:
+        return Verdict(name, False, _sentence("A stopped tool ran after the flag was "
+                                              "acknowledged", lines, "the guard does not "
+                                              "refuse the tools its lease names"),
+                       tuple(sorted(evidence)))
+    if lacking:
+        return Verdict(name, "unknown", _sentence("Cannot tell whether the stopped tool "
+                                                  "was refused", lacking, "nothing shows the "
+                                                  "flag held"), tuple(f.last_index for f in flags))
+    return Verdict(name, True, f"No stopped tool ran after its flag was acknowledged "
+                   f"({_count(refused, 'call')} refused, {_count(len(flags), 'flag')}).",
+                   tuple(f.last_index for f in flags))
+
+
 def _reads(history: History, task_ids: Iterable[str]) -> tuple[int, ...]:
     wanted = set(task_ids)
     return tuple(e.index for e in history.select(f=TASK_STATE_F)
@@ -370,6 +430,7 @@ SWITCH_CHECKERS: tuple[Checker, ...] = (
     no_sandbox_alive_after_stop,
     fleet_resume_keeps_own_kills,
     wake_paths_refused_while_stopped,
+    stopped_tool_not_run,
 )
 
 # Every checker a scenario may name in its `checkers` or `decides` marker.

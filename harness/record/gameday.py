@@ -131,6 +131,9 @@ class GameDay:
     # The same people talking to another replica (`as_(role, at=url)`), made on first use.
     _people_at: dict[tuple[str, str], CoveyClient] = field(default_factory=dict, repr=False)
     agents: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Organisations beside the game day's own (`organisation_beside`), each by id with its
+    # admin, who reads and rolls back that organisation's agents of the game day.
+    admins_beside: dict[str, CoveyClient] = field(default_factory=dict)
     steady_state: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     # The checkers this game day must be able to decide (its `decides` marker), and the
@@ -185,17 +188,49 @@ class GameDay:
             json_of(await self.people["org_admin"].add_member(email, password, role), 201)
             self.people[role] = await CoveyClient.signed_in(e.url, email, password)
 
+    async def platform_admin(self) -> Operator:
+        """The stack's platform admin (who holds the global kill flag) as one of the game
+        day's people, `day.as_("platform_admin")`; LookupError where the stack has none."""
+        e = self.endpoints
+        if "platform_admin" not in self.people:
+            if not (e.platform_email and e.platform_password):
+                raise LookupError(f"the {self.stack} stack has no platform admin: give "
+                                  f"--target-platform-email and --target-platform-password")
+            self.people["platform_admin"] = await CoveyClient.signed_in(
+                e.url, e.platform_email, e.platform_password)
+        return self.as_("platform_admin")
+
+    async def organisation_beside(self, name: str = "beside") -> str:
+        """A second organisation of the game day's (created by the platform admin) whose
+        agents `agent(..., org=...)` makes; returns its id. Its admin reads its agents for
+        the judgement and stops them at the rollback."""
+        platform = (await self.platform_admin()).client
+        email = f"admin.{name}.{self.seed}.{self.run_id}@gameday.test"
+        password = self.fake.password(length=16)
+        org = json_of(await platform.create_org(f"{self.name} {name} run {self.run_id}"[:100],
+                                                email, password), 201)
+        self.admins_beside[str(org["id"])] = await CoveyClient.signed_in(
+            self.endpoints.url, email, password)
+        return str(org["id"])
+
+    def reader(self, agent_id: str) -> CoveyClient:
+        """Who reads this agent: its organisation's admin when it is one beside the game
+        day's, else the game day's auditor (who may not see another organisation's)."""
+        org = self.agents.get(agent_id, {}).get("org_id")
+        return self.admins_beside.get(str(org), self.people["auditor"])
+
     async def agent(self, behaviour: Behaviour, warm: bool = False,
                     guard: dict[str, Any] | None = None, budget_usd: float | None = None,
                     model: str | None = None, max_turns: int = GAME_DAY_MAX_TURNS,
-                    owner: str | None = None) -> dict[str, Any]:
+                    owner: str | None = None, org: str | None = None) -> dict[str, Any]:
         """An agent of this game day whose model answers with `behaviour`: a built-in
         behaviour's name, a script of fixtures/scripts by name, or a script inline
         (harness/act/scripts.py). Its step, token, tool-call and time limits are out of reach
         unless `guard` sets them: a game day's agents stop because of the switch, fault or
         guard layer under test, not because a long-running behaviour used up its default 20
         steps. `guard` takes the API's guard thresholds (loop_repeats, breaker_failures, ...);
-        `owner` the role of the human who owns it (default: the org admin who creates it)."""
+        `owner` the role of the human who owns it (default: the org admin who creates it);
+        `org` an organisation beside the game day's (`organisation_beside`) to make it in."""
         slug = agent_slug(self.run_id, len(self.agents) + 1, self.fake.slug())
         name = f"{self.fake.job()} bot"[:200]
         fields: dict[str, Any] = {"warm_sandbox": warm, "max_turns": max_turns,
@@ -207,8 +242,8 @@ class GameDay:
         if owner is not None:
             fields["owner_id"] = json_of(await self.people[owner].me())["id"]
         resolve(behaviour)  # an unplayable script fails here, before an agent exists
-        agent: dict[str, Any] = json_of(await self.people["org_admin"].create_agent(
-            slug, name, **fields), 201)
+        creator = self.people["org_admin"] if org is None else self.admins_beside[org]
+        agent: dict[str, Any] = json_of(await creator.create_agent(slug, name, **fields), 201)
         await self.endpoints.puppet.assign(agent["id"], behaviour)
         agent["behaviour"] = behaviour_name(behaviour)
         self.agents[agent["id"]] = agent
@@ -219,9 +254,15 @@ class GameDay:
             agent_id, title or self.fake.sentence(nb_words=5)), 201)
         return task
 
-    def as_(self, role: str, at: str | None = None) -> Operator:
+    def as_(self, role: str, at: str | None = None, org: str | None = None) -> Operator:
         """The game day's human of `role`, every call recorded in the history; talking to the
-        control plane at `at` (another replica's URL) instead of the stack's."""
+        control plane at `at` (another replica's URL) instead of the stack's; with `org`, the
+        admin of that organisation beside the game day's (role `org_admin`)."""
+        if org is not None:
+            if role != "org_admin":
+                raise KeyError(f"an organisation beside the game day's has only its org_admin, "
+                               f"no {role}")
+            return Operator(self, f"org_admin@{org}", self.admins_beside[org])
         if role not in self.people:
             raise KeyError(f"no {role} in this game day; people: {', '.join(self.people)}")
         if at is None:
@@ -281,11 +322,15 @@ class GameDay:
 
     # ------------------------------------------------------------------ observations
 
+    def observe(self, f: str, value: dict[str, Any], time_ns: int | None = None) -> None:
+        """Something the harness saw in the system under test, into the history."""
+        self.history.observe(OBSERVER, f, value, time_ns=time_ns)
+
     async def read_tasks(self) -> dict[str, dict[str, Any]]:
         """Every task of every agent, recorded as task_state observations."""
         tasks: dict[str, dict[str, Any]] = {}
         for agent_id in self.agents:
-            for t in json_of(await self.people["auditor"].backlog(agent_id)):
+            for t in json_of(await self.reader(agent_id).backlog(agent_id)):
                 tasks[t["id"]] = t
                 self.history.observe(OBSERVER, "task_state", {
                     "task_id": t["id"], "state": t["state"], "agent_id": agent_id})
@@ -305,14 +350,14 @@ class GameDay:
         if fleet["fleet_killed"]:
             return "the fleet stop stands and nobody will resume it"
         for agent_id in self.agents if agents is None else agents:
-            tasks = json_of(await auditor.backlog(agent_id))
+            tasks = json_of(await self.reader(agent_id).backlog(agent_id))
             stuck = [t for t in tasks if t["state"] in ("failed", "cancelled", "blocked")]
             if stuck:
                 return (f"task {stuck[0]['id']} of agent {agent_id} is {stuck[0]['state']} "
                         f"and nothing requeues it")
             unfinished = [t for t in tasks if t["state"] != "done"]
             if unfinished:
-                agent = json_of(await auditor.agent(agent_id))
+                agent = json_of(await self.reader(agent_id).agent(agent_id))
                 if agent["killed"]:
                     return (f"agent {agent_id} is killed (by {agent['kill_origin']}) with "
                             f"{len(unfinished)} unfinished tasks and nobody will resume it")
@@ -352,7 +397,7 @@ class GameDay:
         return found
 
     async def sandboxes(self, agent_id: str) -> list[dict[str, Any]]:
-        rows: list[dict[str, Any]] = json_of(await self.people["auditor"].sandboxes(agent_id))
+        rows: list[dict[str, Any]] = json_of(await self.reader(agent_id).sandboxes(agent_id))
         return rows
 
     async def copy_ledger(self) -> None:
@@ -362,12 +407,14 @@ class GameDay:
         the failing service."""
         for agent_id in self.agents:
             for entry in await self.endpoints.puppet.actions(agent_id):
+                # What the request carried back of the call answered before it.
+                result = entry.tool_results[-1] if entry.tool_results else None
                 self.history.observe(f"agent:{agent_id}", "action",
                                      {"step": entry.step, "behaviour": entry.behaviour,
                                       "tool": entry.tool, "args": entry.args,
                                       "prompt_tokens": entry.prompt_tokens,
                                       "completion_tokens": entry.completion_tokens,
-                                      "sent_ns": entry.sent_ns,
+                                      "sent_ns": entry.sent_ns, "result": result,
                                       "max_tokens": entry.max_tokens},
                                      time_ns=entry.at_ns)
             for at_ns in await self.endpoints.puppet.failed_calls(agent_id):
@@ -388,7 +435,7 @@ class GameDay:
                     "daemon_exited_ns": _ns(box.get("daemon_exited_at"))})
                 for f, value, at_ns in sandbox_observations(box):
                     self.history.observe(f"agent:{agent_id}", f, value, time_ns=at_ns)
-            sessions = json_of(await self.people["auditor"].sessions(agent_id))
+            sessions = json_of(await self.reader(agent_id).sessions(agent_id))
             for s in sessions:
                 started = _ns(s["started_at"])
                 if started is not None:
@@ -412,14 +459,14 @@ class GameDay:
         tasks: dict[str, FinalTask] = {}
         agents: dict[str, FinalAgent] = {}
         for agent_id in self.agents:
-            got = json_of(await self.people["auditor"].agent(agent_id))
-            live = [str(s["task_id"]) for s in json_of(
-                await self.people["auditor"].sessions(agent_id))
+            reader = self.reader(agent_id)
+            got = json_of(await reader.agent(agent_id))
+            live = [str(s["task_id"]) for s in json_of(await reader.sessions(agent_id))
                 if s["state"] in ("starting", "running") and s["task_id"] is not None]
             agents[agent_id] = {"killed": got["killed"], "kill_origin": got["kill_origin"],
-                                "live_tasks": live}
-            for t in json_of(await self.people["auditor"].backlog(agent_id)):
-                detail = json_of(await self.people["auditor"].task(agent_id, t["id"]))
+                                "live_tasks": live, "org_id": str(got["org_id"])}
+            for t in json_of(await reader.backlog(agent_id)):
+                detail = json_of(await reader.task(agent_id, t["id"]))
                 done = sum(1 for tr in detail["transitions"] if tr["to_state"] == "done")
                 tasks[t["id"]] = {"state": t["state"], "agent_id": agent_id,
                                   "done_count": done, "result": t.get("result")}
@@ -516,5 +563,6 @@ class GameDay:
         return outcome.final
 
     async def close(self) -> None:
-        for client in (*self.people.values(), *self._people_at.values()):
+        for client in (*self.people.values(), *self._people_at.values(),
+                       *self.admins_beside.values()):
             await client.aclose()

@@ -205,14 +205,17 @@ async def gameday(request: pytest.FixtureRequest, reused_stack: Endpoints | None
         reused_stack.nemesis.begin_game_day()
     else:
         phases.info("%s: bringing the %s stack up", request.node.name, name)
-    tick = request.node.get_closest_marker(TICK_MARK)
     stack = make_stack(config) if reused_stack is None else None
-    if tick is not None:
-        if stack is None or not hasattr(stack, "tick_ms"):
-            pytest.skip(f"this game day needs a scheduler tick of {tick.args[0]} ms, and the "
-                        f"{name} stack{' reused for the run' if stack is None else ''} cannot "
-                        f"be given one")
-        stack.tick_ms = int(tick.args[0])
+    for mark, what in ((TICK_MARK, "a scheduler tick of {} ms"),
+                       (HEARTBEAT_MIN_MARK, "a heartbeat minimum of {} s")):
+        asked = request.node.get_closest_marker(mark)
+        if asked is None:
+            continue
+        if stack is None or not hasattr(stack, mark):
+            pytest.skip(f"this game day needs {what.format(asked.args[0])}, and the {name} "
+                        f"stack{' reused for the run' if stack is None else ''} cannot be "
+                        f"given one")
+        setattr(stack, mark, int(asked.args[0]))
     async with (contextlib.nullcontext(cast(Endpoints, reused_stack)) if stack is None
                 else stack.up()) as endpoints, halt.game_day_running():
         required = required_checkers(request.node)
@@ -322,6 +325,7 @@ def import_names(file_path: Path, rootpath: Path) -> list[str]:
 DECIDES = "decides"
 CHECKERS_MARK = "checkers"
 TICK_MARK = "tick_ms"
+HEARTBEAT_MIN_MARK = "heartbeat_min_s"
 MEASURES_MARK = "measures"
 BOUNDS_MARK = "bounds"
 
@@ -334,6 +338,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", f"{TICK_MARK}(ms): bring this game day's own stack up with this scheduler "
                    f"tick (skipped with --reuse-stack and on a deployment)")
+    config.addinivalue_line(
+        "markers", f"{HEARTBEAT_MIN_MARK}(s): bring this game day's own stack up with this "
+                   f"shortest heartbeat period (COVEY_HEARTBEAT_MIN_S; skipped with "
+                   f"--reuse-stack and on a deployment)")
     config.addinivalue_line(
         "markers", f"{CHECKERS_MARK}(*checkers): judge this game day with these checkers "
                    f"(and those it decides) instead of the default set")

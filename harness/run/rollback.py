@@ -5,8 +5,9 @@ A game day that failed once after its fleet kill used to leave the organisation'
 switch pulled, and with it every agent of the organisation stopped until someone noticed.
 The rollback heals the nemesis's faults, stops every agent of the game day with its own
 switch (so that no later fleet resume wakes them), releases the fleet switch if the game day
-pulled it, waits until none of its agents has a sandbox running, and writes what it restored
-and what it could not into the journal. What it could not restore is a loud error.
+pulled it and the global kill flag if its platform admin set it, waits until none of its
+agents has a sandbox running, and writes what it restored and what it could not into the
+journal. What it could not restore is a loud error.
 """
 
 from __future__ import annotations
@@ -60,6 +61,18 @@ def pulled_fleet_switch(day: GameDay) -> bool:
                for e in day.history.events)
 
 
+def set_global_flag(day: GameDay) -> bool:
+    """Did the game day's platform admin set the global kill flag (answered or unknown)?"""
+    return any(e.f == "stop_globally" and e.type in ("ok", "info")
+               for e in day.history.events)
+
+
+def _admin_of(day: GameDay, agent_id: str, admin: CoveyClient) -> CoveyClient:
+    """Who may stop this agent: its organisation's admin (one beside the game day's, or
+    the game day's own)."""
+    return day.admins_beside.get(str(day.agents.get(agent_id, {}).get("org_id")), admin)
+
+
 async def _admin(day: GameDay) -> CoveyClient | None:
     client = day.people.get("org_admin")
     if client is not None:
@@ -84,7 +97,7 @@ async def _stop_agents(day: GameDay, admin: CoveyClient, report: RollbackReport)
     for agent_id in [*day.probe_agents, *day.agents]:
         slug = day.agents.get(agent_id, {}).get("slug", "probe")
         try:
-            json_of(await admin.kill_agent(agent_id))
+            json_of(await _admin_of(day, agent_id, admin).kill_agent(agent_id))
         except (ApiFailure, httpx.HTTPError) as exc:
             report.could_not.append(f"agent {slug} ({agent_id}) may still run: its kill "
                                     f"failed: {exc}")
@@ -128,14 +141,38 @@ async def _release_fleet(day: GameDay, admin: CoveyClient, report: RollbackRepor
         report.restored.append(f"released {stop}")
 
 
+async def _release_global(day: GameDay, admin: CoveyClient, report: RollbackReport) -> None:
+    """A global stop stops every organisation on the control plane: one the game day set
+    must not outlive it (every later game day would refuse to start)."""
+    if not json_of(await admin.fleet()).get("global_stop"):
+        return
+    platform = day.people.get("platform_admin")
+    if not set_global_flag(day) or platform is None:
+        report.left_alone.append("a global kill flag (not set by this game day) still stands")
+        return
+    try:
+        json_of(await platform.clear_global_stop("game day rolled back"))
+        cleared = not json_of(await admin.fleet()).get("global_stop")
+    except (ApiFailure, httpx.HTTPError) as exc:
+        report.could_not.append(f"the global kill flag this game day set still stands: "
+                                f"clearing it failed: {exc}")
+        return
+    if cleared:
+        report.restored.append("cleared the global kill flag this game day set")
+    else:
+        report.could_not.append("the global kill flag this game day set still stands after "
+                                "it was cleared")
+
+
 async def _sandboxes_gone(day: GameDay, admin: CoveyClient, report: RollbackReport) -> None:
     agents = [*day.probe_agents, *day.agents]
 
     async def running() -> list[str]:
         left = []
         for agent_id in agents:
-            got = json_of(await admin.agent(agent_id))
-            boxes = json_of(await admin.sandboxes(agent_id))
+            reader = _admin_of(day, agent_id, admin)
+            got = json_of(await reader.agent(agent_id))
+            boxes = json_of(await reader.sandboxes(agent_id))
             if got["status"] in ("working", "triggered") or any(
                     s["state"] in RUNNING for s in boxes):
                 left.append(f"{got['slug']} ({got['status']})")
@@ -171,7 +208,8 @@ async def roll_back(day: GameDay) -> RollbackReport:
     if admin is None:
         return report  # no organisation yet: nothing was created in it
     steps = (("stopping the agents", _stop_agents), ("releasing the fleet switch",
-             _release_fleet), ("waiting for the sandboxes", _sandboxes_gone))
+             _release_fleet), ("releasing the global kill flag", _release_global),
+             ("waiting for the sandboxes", _sandboxes_gone))
     try:
         for what, step in steps:
             try:

@@ -116,6 +116,7 @@ class ContainersStack:
     tick_ms: int = 300
     lease_ms: int = 2000
     name: str = "containers"
+    heartbeat_min_s: int | None = None  # COVEY_HEARTBEAT_MIN_S, when a game day asks
 
     @asynccontextmanager
     async def up(self) -> AsyncIterator[Endpoints]:
@@ -188,6 +189,8 @@ class ContainersStack:
                 "COVEY_DOCKER_NETWORK": str(network.name), "COVEY_GAMEDAY": gameday,
                 "COVEY_PUBLIC_WS_URL": "ws://channel:8081/api/daemon/ws",
                 "COVEY_MODEL_URL": "http://puppet:9000/v1",
+                **({} if self.heartbeat_min_s is None
+                   else {"COVEY_HEARTBEAT_MIN_S": str(self.heartbeat_min_s)}),
             }
             serve = (f"covey bootstrap --org gameday --admin-email {admin} "
                      f"--admin-password {ADMIN_PASSWORD} --platform-admin-email {platform} "

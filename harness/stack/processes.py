@@ -137,6 +137,9 @@ class ProcessesStack:
     tick_ms: int = 300
     lease_ms: int = 2000
     name: str = "processes"
+    # COVEY_HEARTBEAT_MIN_S when a game day asks for it (its `heartbeat_min_s` marker);
+    # otherwise the control plane's own minute.
+    heartbeat_min_s: int | None = None
 
     @asynccontextmanager
     async def up(self) -> AsyncIterator[Endpoints]:
@@ -164,6 +167,9 @@ class ProcessesStack:
                        "COVEY_TICK_MS": str(self.tick_ms), "COVEY_LEASE_MS": str(self.lease_ms),
                        "COVEY_MODEL_URL": puppet_url, "COVEY_SANDBOX_BACKEND": "process"}
                 env.pop("COVEY_DAEMON_COMMAND", None)
+                env.pop("COVEY_HEARTBEAT_MIN_S", None)
+                if self.heartbeat_min_s is not None:
+                    env["COVEY_HEARTBEAT_MIN_S"] = str(self.heartbeat_min_s)
                 admin = f"admin-{uuid.uuid4().hex[:6]}@gameday.test"
                 platform = f"platform-{uuid.uuid4().hex[:6]}@gameday.test"
                 boot = await asyncio.create_subprocess_exec(

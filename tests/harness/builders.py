@@ -60,12 +60,12 @@ class GameDay:
                               invoked_ms, acked_ms)
 
     def action(self, agent_id: str, at_ms: float, tool: str = "shell",
-               sent_ms: float | None = None) -> Event:
+               sent_ms: float | None = None, result: str | None = None) -> Event:
         """A model request the puppet saw at `at_ms`, sent by its daemon at `sent_ms` (None:
-        the request carried no send stamp)."""
+        the request carried no send stamp), carrying back `result` of the call before."""
         return self.history.observe(f"agent:{agent_id}", "action", {
-            "tool": tool, "sent_ns": None if sent_ms is None else int(sent_ms * MS)},
-            time_ns=int(at_ms * MS))
+            "tool": tool, "sent_ns": None if sent_ms is None else int(sent_ms * MS),
+            "result": result}, time_ns=int(at_ms * MS))
 
     def task(self, task_id: str, agent_id: str, state: str, at_ms: float) -> Event:
         return self.history.observe("observer", "task_state",

@@ -99,6 +99,24 @@ def test_a_fleet_kill_of_another_organisation_does_not_hold_this_one() -> None:
     assert verdict.evidence == (ack.index, late.index)
 
 
+def test_a_global_stop_holds_every_organisation_until_it_is_cleared() -> None:
+    day = GameDay()
+    _, ack = day.operation("operator:platform_admin", "stop_globally", {}, 100, 110)
+    late = [day.action("a1", 150), day.action("b1", 160)]
+    day.operation("operator:platform_admin", "clear_global_stop", {}, 200, 210)
+    day.action("a1", 250)  # after it was cleared: free to act
+    woken = day.seen("session_start", "b1", 180)
+    final = FinalState(agents={"a1": {"killed": False, "kill_origin": None, "org_id": "org-a"},
+                               "b1": {"killed": False, "kill_origin": None,
+                                      "org_id": "org-b"}})
+    acted = no_action_after_kill_ack(day.history, final)
+    assert acted.valid is False
+    assert acted.evidence == (ack.index, *(e.index for e in late))
+    assert "after the stop_globally" in acted.message
+    wakes = no_wake_of_stopped_agent(day.history, final)
+    assert wakes.valid is False and wakes.evidence == (ack.index, woken.index)
+
+
 def test_a_kill_with_unknown_outcome_holds_nobody_to_it() -> None:
     day = GameDay()
     day.operation("operator:security", "kill_fleet", {}, 100, 200, outcome="info")

@@ -13,6 +13,7 @@ from harness.judge.switch_checkers import (
     no_sandbox_alive_after_stop,
     no_task_lost,
     none_done_twice,
+    stopped_tool_not_run,
     wake_paths_refused_while_stopped,
 )
 from harness.nemesis.plane import PLANE
@@ -293,4 +294,45 @@ def test_a_scenario_may_choose_each_of_them_by_name() -> None:
     from harness.judge.verdicts import KNOWN_CHECKERS
 
     names = {c.__name__ for c in SWITCH_CHECKERS}
-    assert len(names) == 6 and names <= KNOWN_CHECKERS
+    assert len(names) == 7 and names <= KNOWN_CHECKERS
+
+
+REFUSED = '{"error": "kill flag set for tool shell"}'
+
+
+def _tool_flag_day(results_after_ack: list[str]) -> tuple[GameDay, list[int]]:
+    """The owner stops shell for a1 at 100 ms, its daemon acknowledges at 120 ms; a1 then
+    alternates shell and write_file, each request carrying back the previous call's result."""
+    day = GameDay()
+    day.operation("operator:agent_owner", "stop_tool", {"agent_id": "a1", "tool": "shell"},
+                  100, 110)
+    ack = day.seen("kill_flag_ack", "a1", 120, stopped=["tool:shell"])
+    actions = []
+    for i, result in enumerate([None, *results_after_ack]):
+        event = day.action("a1", 130 + 10 * i, tool="shell" if i % 2 == 0 else "write_file",
+                           result=result)
+        actions.append(event.index)
+    return day, [ack.index, *actions]
+
+
+def test_a_stopped_tool_refused_after_the_ack_passes() -> None:
+    day, _ = _tool_flag_day([REFUSED, '{"written": 3}', REFUSED])
+    verdict = stopped_tool_not_run(day.history, FinalState())
+    assert verdict.valid is True and "2 calls refused" in verdict.message
+
+
+def test_a_stopped_tool_that_ran_after_the_ack_is_caught() -> None:
+    day, events = _tool_flag_day([REFUSED, '{"written": 3}', '{"exit_code": 0}'])
+    verdict = stopped_tool_not_run(day.history, FinalState())
+    assert verdict.valid is False
+    assert "1 of agent a1's 2 shell calls" in verdict.message
+    assert {events[0], events[3], events[4]} <= set(verdict.evidence)
+
+
+def test_a_tool_flag_never_acknowledged_is_unknown() -> None:
+    day = GameDay()
+    day.operation("operator:agent_owner", "stop_tool", {"agent_id": "a1", "tool": "shell"},
+                  100, 110)
+    day.action("a1", 130)
+    verdict = stopped_tool_not_run(day.history, FinalState())
+    assert verdict.valid == "unknown" and "never acknowledged" in verdict.message
