@@ -17,6 +17,7 @@ import statistics
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,15 @@ def runs(report_dir: Path) -> list[Run]:
                           " failed_verdicts, page FROM runs ORDER BY started_at, journal")
         return [Run(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]), r[8],
                     p99.get(r[0], {})) for r in rows]
+
+
+def minute(started_at: str) -> str:
+    """A journal's ISO start, microseconds and all, as people read it: `2026-11-01 03:00`
+    (UTC); what is not a time is shown as it is."""
+    try:
+        return datetime.fromisoformat(started_at).astimezone(UTC).strftime("%Y-%m-%d %H:%M")
+    except ValueError:
+        return started_at
 
 
 def groups(all_runs: list[Run]) -> dict[tuple[str, str, int], list[Run]]:

@@ -20,6 +20,7 @@ import pytest
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.padding import Padding
 from rich.table import Table
 
 from harness.load.runner import LoadPlan, LoadResult, load_environment, prepare_fleet, run_load
@@ -167,17 +168,47 @@ def trend(report_dir: ReportDir = Path("reports")) -> None:
     """Every scenario over time: a table here and an index page of the report directory."""
     runs.index(report_dir)
     all_runs = runs.runs(report_dir)
-    table = Table(title=f"game days in {report_dir}/ ({len(all_runs)} runs)")
-    for column in ("scenario", "stack", "agents", "runs", "latest", "status",
-                   "daemon exit p99 ms", "total p99 ms"):
-        table.add_column(column)
-    for (scenario, stack, agents), group_runs in sorted(runs.groups(all_runs).items()):
-        latest = group_runs[-1]
-        table.add_row(scenario, stack, str(agents), str(len(group_runs)), latest.started_at,
-                      latest.status, *(f"{latest.p99_us[p] / 1000:.1f}" if p in latest.p99_us
-                                       else "-" for p in ("daemon_exit", "total")))
-    console.print(table)
+    table = trend_table(report_dir, all_runs)
+    wanted = console.measure(table, options=console.options.update(max_width=10_000)).maximum
+    if not console.is_terminal:
+        # A CI log or a pipe has no width: Rich would assume 80 columns and cut the scenario
+        # names to `test_r…`. There each row stays one whole line, for people and for grep.
+        Console(width=max(console.width, wanted), highlight=False).print(table)
+    elif wanted <= console.width:
+        console.print(table)
+    else:
+        # A terminal too narrow for the table: each scenario's full name on a line of its
+        # own, its figures wrapped beneath it, rather than names folded letter by letter.
+        console.print(table.title, highlight=False)
+        for row in trend_rows(all_runs):
+            console.print(row[0], style="bold", highlight=False)
+            console.print(Padding(f"{row[1]}, {row[2]} agents: {row[3]} runs, latest "
+                                  f"{row[4]} UTC {row[5]} · daemon exit p99 {_ms(row[6])} · "
+                                  f"total p99 {_ms(row[7])}", (0, 0, 0, 4)), highlight=False)
     console.print(f"index page: {write_index(report_dir)}")
+
+
+def _ms(cell: str) -> str:
+    return "not measured" if cell == "-" else f"{cell} ms"
+
+
+def trend_table(report_dir: Path, all_runs: list[runs.Run]) -> Table:
+    table = Table(title=f"game days in {report_dir}/ ({len(all_runs)} runs)")
+    for column in ("scenario", "stack", "agents", "runs", "latest (UTC)", "status",
+                   "daemon exit p99 ms", "total p99 ms"):
+        table.add_column(column, no_wrap=True)
+    for row in trend_rows(all_runs):
+        table.add_row(*row)
+    return table
+
+
+def trend_rows(all_runs: list[runs.Run]) -> list[tuple[str, ...]]:
+    """The latest figures of every comparable group, as the table's cells."""
+    return [(scenario, stack, str(agents), str(len(group_runs)),
+             runs.minute(group_runs[-1].started_at), group_runs[-1].status,
+             *(f"{group_runs[-1].p99_us[p] / 1000:.1f}" if p in group_runs[-1].p99_us else "-"
+               for p in ("daemon_exit", "total")))
+            for (scenario, stack, agents), group_runs in sorted(runs.groups(all_runs).items())]
 
 
 @app.command()

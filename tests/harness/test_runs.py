@@ -4,6 +4,7 @@ which fails a planted regression and lets noise inside its bound pass."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -134,3 +135,44 @@ def test_gameday_gate_exits_1_on_the_regression_and_0_on_noise(tmp_path: Path) -
     passing = subprocess.run([*gate, "--ratio", "4"], capture_output=True, text=True,
                              timeout=60)
     assert passing.returncode == 0, passing.stdout + passing.stderr
+
+
+LONG_NAME = "test_a_partitioned_replica_fails_closed_and_the_other_serves_on"
+
+
+def test_gameday_trend_in_a_pipe_at_80_columns_keeps_every_scenario_name_whole(
+        tmp_path: Path) -> None:
+    for n in range(2):
+        journal(tmp_path, n, 400, scenario=LONG_NAME)
+    journal(tmp_path, 5, 300, scenario="test_rm_rf_loop_killed_by_its_owner")
+    journal(tmp_path, 6, 310, scenario="test_runaway_spend_stopped_at_its_cap")
+    trend = subprocess.run([sys.executable, "-m", "harness.run.cli", "trend", "--report-dir",
+                            str(tmp_path)], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COLUMNS": "80", "TERM": "dumb"})
+    assert trend.returncode == 0, trend.stdout + trend.stderr
+    assert "…" not in trend.stdout
+    rows = {line.split()[1]: line for line in trend.stdout.splitlines()
+            if line.startswith("│ test_")}
+    assert set(rows) == {LONG_NAME, "test_rm_rf_loop_killed_by_its_owner",
+                         "test_runaway_spend_stopped_at_its_cap"}, trend.stdout
+    # One greppable line per scenario, its figures with it.
+    assert "processes" in rows[LONG_NAME] and "400.0" in rows[LONG_NAME]
+    assert "2026-11-02 03:00" in rows[LONG_NAME]
+
+
+def test_gameday_trend_in_a_narrow_terminal_wraps_and_cuts_no_name(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from harness.run import cli
+
+    journal(tmp_path, 0, 400, scenario=LONG_NAME)
+    narrow = Console(width=80, force_terminal=True, color_system=None, record=True)
+    original, cli.console = cli.console, narrow
+    try:
+        cli.trend(tmp_path)
+    finally:
+        cli.console = original
+    lines = narrow.export_text().splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= 80
+    assert LONG_NAME in lines and "…" not in "".join(lines)
+    assert "400.0 ms" in " ".join(lines)
