@@ -22,6 +22,10 @@ from pathlib import Path
 from typing import Any
 
 INDEX = "gamedays.sqlite"
+# A p99 of fewer samples than this is the slowest of a handful: one scheduler hiccup on a
+# shared CI machine decides it (rm_rf kills one agent a run: its "p99" is that one kill).
+# The gate compares a part only where the latest run and each earlier one had this many.
+MIN_SAMPLES = 5
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     journal TEXT PRIMARY KEY,       -- the journal's file name in the report directory
@@ -32,7 +36,8 @@ CREATE TABLE IF NOT EXISTS runs (
     status TEXT NOT NULL,           -- completed | failed | aborted
     started_at TEXT NOT NULL,
     failed_verdicts TEXT NOT NULL,  -- JSON list of {checker, message} that did not pass
-    page TEXT                       -- the page's file name, when one was rendered
+    page TEXT,                      -- the page's file name, when one was rendered
+    aborted_reason TEXT             -- why an aborted game day broke off (its journal's)
 );
 CREATE TABLE IF NOT EXISTS figures (
     journal TEXT NOT NULL REFERENCES runs(journal) ON DELETE CASCADE,
@@ -59,6 +64,8 @@ class Run:
     failed_verdicts: list[dict[str, str]]
     page: str | None
     p99_us: dict[str, int] = field(default_factory=dict)
+    samples: dict[str, int] = field(default_factory=dict)  # part → how many made its p99
+    aborted_reason: str | None = None
 
     @property
     def group(self) -> tuple[str, str, int]:
@@ -74,6 +81,8 @@ def opened(report_dir: Path) -> Iterator[sqlite3.Connection]:
     with closing(sqlite3.connect(report_dir / INDEX)) as db:
         db.execute("PRAGMA foreign_keys = ON")
         db.executescript(SCHEMA)
+        if "aborted_reason" not in {row[1] for row in db.execute("PRAGMA table_info(runs)")}:
+            db.execute("ALTER TABLE runs ADD COLUMN aborted_reason TEXT")  # an older index
         with db:
             yield db
 
@@ -87,7 +96,9 @@ def index(report_dir: Path) -> int:
     file that is not a game day's journal is skipped, not fatal."""
     added = 0
     with opened(report_dir) as db:
-        known = {row[0] for row in db.execute("SELECT journal FROM runs")}
+        # An aborted run indexed before the index kept the reason is read again for it.
+        known = {row[0] for row in db.execute("SELECT journal FROM runs WHERE status != "
+                                              "'aborted' OR aborted_reason IS NOT NULL")}
         for path in sorted(report_dir.glob("*.json")):
             if path.name in known or not is_journal(path):
                 continue
@@ -105,10 +116,14 @@ def add(db: sqlite3.Connection, path: Path, journal: dict[str, Any]) -> None:
                "valid": str(v["valid"]).lower()}
               for v in journal["verdicts"] if v["valid"] is not True]
     page = path.with_suffix(".html")
-    db.execute("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    db.execute("INSERT OR REPLACE INTO runs (journal, scenario, stack, agents, seed, status, "
+               "started_at, failed_verdicts, page, aborted_reason) "
+               "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                (path.name, journal["game_day"], journal["stack"], len(journal["agents"]),
                 journal.get("seed"), journal["status"], journal["started_at"],
-                json.dumps(failed), page.name if page.exists() else None))
+                json.dumps(failed), page.name if page.exists() else None,
+                journal.get("aborted_reason")
+                or ("no reason recorded" if journal["status"] == "aborted" else None)))
     for part, p in journal["measurements"]["time_to_stop"]["summary_us"].items():
         db.execute("INSERT OR REPLACE INTO figures VALUES (?, ?, ?, ?, ?, ?, ?)",
                    (path.name, part, p["count"], p["p50_us"], p["p90_us"], p["p99_us"],
@@ -119,12 +134,16 @@ def runs(report_dir: Path) -> list[Run]:
     """Every indexed run, oldest first."""
     with opened(report_dir) as db:
         p99: dict[str, dict[str, int]] = {}
-        for journal, part, value in db.execute("SELECT journal, part, p99_us FROM figures"):
+        counts: dict[str, dict[str, int]] = {}
+        for journal, part, value, count in db.execute(
+                "SELECT journal, part, p99_us, count FROM figures"):
             p99.setdefault(journal, {})[part] = value
+            counts.setdefault(journal, {})[part] = count
         rows = db.execute("SELECT journal, scenario, stack, agents, seed, status, started_at,"
-                          " failed_verdicts, page FROM runs ORDER BY started_at, journal")
+                          " failed_verdicts, page, aborted_reason FROM runs"
+                          " ORDER BY started_at, journal")
         return [Run(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]), r[8],
-                    p99.get(r[0], {})) for r in rows]
+                    p99.get(r[0], {}), counts.get(r[0], {}), r[9]) for r in rows]
 
 
 def minute(started_at: str) -> str:
@@ -150,8 +169,11 @@ class GateResult:
 
 
 def gate(all_runs: list[Run], ratio: float = 2.0, window: int = 10, min_runs: int = 3,
-         min_delta_ms: float = 50.0, scenario: str | None = None) -> GateResult:
-    """Judge the latest run of every comparable group (of `scenario`, if given)."""
+         min_delta_ms: float = 50.0, scenario: str | None = None,
+         min_samples: int = MIN_SAMPLES) -> GateResult:
+    """Judge the latest run of every comparable group (of `scenario`, if given). A part is
+    compared only where the latest run and each earlier run taken had `min_samples` samples
+    of it; a part with fewer is said to be skipped, on a line of its own."""
     lines, passed = [], True
     chosen = {g: rs for g, rs in groups(all_runs).items() if scenario in (None, g[0])}
     if not chosen:
@@ -160,7 +182,10 @@ def gate(all_runs: list[Run], ratio: float = 2.0, window: int = 10, min_runs: in
     for _, group_runs in sorted(chosen.items()):
         latest, before = group_runs[-1], group_runs[:-1][-window:]
         problems = [f"{latest.describe()}: the latest run ({latest.journal}) ended "
-                    f"{latest.status}"] if latest.status != "completed" else []
+                    f"{latest.status}"
+                    + (f": {latest.aborted_reason}" if latest.aborted_reason else "")
+                    ] if latest.status != "completed" else []
+        skipped = []
         problems += [f"{latest.describe()}: checker {v['checker']} failed: {v['message']}"
                      for v in latest.failed_verdicts if v["valid"] == "false"]
         # A verdict nobody could decide is not a failed one; the game day itself fails on
@@ -168,11 +193,19 @@ def gate(all_runs: list[Run], ratio: float = 2.0, window: int = 10, min_runs: in
         figures = [f"{v['checker']} could not decide" for v in latest.failed_verdicts
                    if v["valid"] != "false"]
         for part, p99 in sorted(latest.p99_us.items()):
+            count = latest.samples.get(part, 0)
+            if count < min_samples:
+                skipped.append(f"{latest.describe()}: {part} p99 {p99 / 1000:.1f} ms not "
+                               f"compared: {count} sample{'s' * (count != 1)} in the latest "
+                               f"run, {min_samples} needed for a p99 worth comparing")
+                continue
             history = [r.p99_us[part] for r in before
-                       if part in r.p99_us and r.status == "completed"]
+                       if part in r.p99_us and r.status == "completed"
+                       and r.samples.get(part, 0) >= min_samples]
             if len(history) < min_runs:
                 figures.append(f"{part} p99 {p99 / 1000:.1f} ms ({len(history)} earlier "
-                               f"runs, {min_runs} needed to compare)")
+                               f"runs with {min_samples}+ samples, {min_runs} needed to "
+                               "compare)")
                 continue
             median = statistics.median(history)
             figures.append(f"{part} p99 {p99 / 1000:.1f} ms vs median {median / 1000:.1f} ms")
@@ -186,5 +219,7 @@ def gate(all_runs: list[Run], ratio: float = 2.0, window: int = 10, min_runs: in
             passed = False
             lines += problems
         else:
-            lines.append(f"{latest.describe()}: ok · " + "; ".join(figures))
+            ok = f"{latest.describe()}: ok"
+            lines.append(f"{ok} · {'; '.join(figures)}" if figures else ok)
+        lines += skipped
     return GateResult(passed, lines)

@@ -16,7 +16,8 @@ from harness.report.trend import write_index
 
 def journal(report_dir: Path, n: int, daemon_exit_p99_ms: float, *, status: str = "completed",
             scenario: str = "test_fleet_stop", stack: str = "processes", agents: int = 5,
-            failed: str | None = None) -> Path:
+            failed: str | None = None, samples: int | None = None,
+            aborted_reason: str | None = None) -> Path:
     p99 = int(daemon_exit_p99_ms * 1000)
     document: dict[str, Any] = {
         "game_day": scenario, "stack": stack, "seed": n, "status": status,
@@ -27,8 +28,10 @@ def journal(report_dir: Path, n: int, daemon_exit_p99_ms: float, *, status: str 
                       "message": failed or "No agent action started after an acknowledged "
                                            "kill.", "evidence": []}],
         "measurements": {"time_to_stop": {"summary_us": {"daemon_exit": {
-            "count": agents, "p50_us": p99 // 2, "p90_us": p99, "p99_us": p99,
-            "max_us": p99}}, "samples_ns": []}}}
+            "count": agents if samples is None else samples, "p50_us": p99 // 2,
+            "p90_us": p99, "p99_us": p99, "max_us": p99}}, "samples_ns": []}}}
+    if aborted_reason is not None:
+        document["aborted_reason"] = aborted_reason
     path = report_dir / f"{scenario}-{n:03d}.json"
     path.write_text(json.dumps(document))
     return path
@@ -95,7 +98,65 @@ def test_too_little_history_is_said_not_failed(tmp_path: Path) -> None:
     runs.index(tmp_path)
     result = runs.gate(runs.runs(tmp_path))
     assert result.passed
-    assert "(1 earlier runs, 3 needed to compare)" in result.lines[0]
+    assert "(1 earlier runs with 5+ samples, 3 needed to compare)" in result.lines[0]
+
+
+def test_a_p99_of_too_few_samples_is_skipped_with_a_line_that_says_so(tmp_path: Path) -> None:
+    # rm_rf kills one agent a run: a "p99" of one sample, however slow, is not a regression.
+    for n, p99 in enumerate([400, 380, 450, 410]):
+        journal(tmp_path, n, p99, scenario="test_rm_rf", samples=1)
+    journal(tmp_path, 4, 4000, scenario="test_rm_rf", samples=1)
+    runs.index(tmp_path)
+    result = runs.gate(runs.runs(tmp_path))
+    assert result.passed, result.lines
+    assert result.lines == [
+        "test_rm_rf on processes with 5 agents: ok",
+        f"test_rm_rf on processes with 5 agents: daemon_exit p99 4000.0 ms not compared: 1 "
+        f"sample in the latest run, {runs.MIN_SAMPLES} needed for a p99 worth comparing"]
+
+
+def test_earlier_runs_of_too_few_samples_do_not_make_the_median(tmp_path: Path) -> None:
+    for n in range(3):
+        journal(tmp_path, n, 100, samples=runs.MIN_SAMPLES - 1)
+    for n in range(3, 6):
+        journal(tmp_path, n, 400, samples=runs.MIN_SAMPLES)
+    journal(tmp_path, 6, 700, samples=runs.MIN_SAMPLES)
+    runs.index(tmp_path)
+    result = runs.gate(runs.runs(tmp_path))
+    # Against the one-sample-short runs' 100 ms, 700 ms would be 7x: a false regression.
+    assert result.passed, result.lines
+    assert result.lines == ["test_fleet_stop on processes with 5 agents: ok · daemon_exit "
+                            "p99 700.0 ms vs median 400.0 ms"]
+
+
+def test_after_an_aborted_run_the_gate_says_why_it_aborted(tmp_path: Path) -> None:
+    history_of(tmp_path, [400, 400, 400])
+    journal(tmp_path, 9, 400, status="aborted",
+            aborted_reason="halted by hand: the staging database was being restored")
+    runs.index(tmp_path)
+    result = runs.gate(runs.runs(tmp_path))
+    assert not result.passed
+    assert result.lines[0] == (
+        "test_fleet_stop on processes with 5 agents: the latest run "
+        "(test_fleet_stop-009.json) ended aborted: halted by hand: the staging database was "
+        "being restored")
+
+
+def test_an_index_from_before_aborted_reasons_reads_them_from_the_journals(
+        tmp_path: Path) -> None:
+    import sqlite3
+
+    journal(tmp_path, 0, 400, status="aborted", aborted_reason="the stack never came up")
+    with sqlite3.connect(tmp_path / runs.INDEX) as old:
+        old.execute("CREATE TABLE runs (journal TEXT PRIMARY KEY, scenario TEXT NOT NULL, "
+                    "stack TEXT NOT NULL, agents INTEGER NOT NULL, seed INTEGER, status TEXT "
+                    "NOT NULL, started_at TEXT NOT NULL, failed_verdicts TEXT NOT NULL, "
+                    "page TEXT)")
+        old.execute("INSERT INTO runs VALUES ('test_fleet_stop-000.json', 'test_fleet_stop', "
+                    "'processes', 5, 0, 'aborted', '2026-11-01T03:00:00+00:00', '[]', NULL)")
+    old.close()
+    runs.index(tmp_path)
+    assert [r.aborted_reason for r in runs.runs(tmp_path)] == ["the stack never came up"]
 
 
 def test_no_game_day_is_nothing_to_gate(tmp_path: Path) -> None:
