@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import statistics
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from harness.judge.time_to_stop import percentiles
 
 INDEX = "gamedays.sqlite"
 # A p99 of fewer samples than this is the slowest of a handful: one scheduler hiccup on a
@@ -162,6 +163,13 @@ def groups(all_runs: list[Run]) -> dict[tuple[str, str, int], list[Run]]:
     return by_group
 
 
+def median_us(values_us: list[int]) -> int:
+    """The median by the harness's one percentile definition (an HDR histogram's p50, as the
+    summary, the page and the load report give it), not statistics.median's mean of the two
+    middle values: one figure, one definition."""
+    return percentiles([us * 1000 for us in values_us]).p50_us
+
+
 @dataclass(frozen=True)
 class GateResult:
     passed: bool
@@ -207,7 +215,7 @@ def gate(all_runs: list[Run], ratio: float = 2.0, window: int = 10, min_runs: in
                                f"runs with {min_samples}+ samples, {min_runs} needed to "
                                "compare)")
                 continue
-            median = statistics.median(history)
+            median = median_us(history)
             figures.append(f"{part} p99 {p99 / 1000:.1f} ms vs median {median / 1000:.1f} ms")
             if p99 > ratio * median and (p99 - median) / 1000 > min_delta_ms:
                 problems.append(

@@ -317,6 +317,10 @@ def show(result: LoadResult) -> None:
         table.add_row(part, str(p["count"]), *(f"{p[k] / 1000:.1f}" for k in
                                                 ("p50_us", "p90_us", "p99_us", "max_us")))
     console.print(table)
+    console.print("percentiles above: the harness's one definition (HDR, as in every game "
+                  "day's summary and the gate); Locust's HTML and CSV round the times and take "
+                  "the upper middle sample for a median, so their KILL rows can differ",
+                  highlight=False)
     for name, path in result.files.items():
         console.print(f"{name}: {path}")
     if result.passed:
