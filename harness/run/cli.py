@@ -2,7 +2,8 @@
 
     gameday run [SCENARIO...] [--stack processes] [--agents 5] [--seed 7]
     gameday halt [--reason TEXT]        gameday halt --release
-    gameday report JOURNAL       gameday trend       gameday gate
+    gameday report JOURNAL [--standalone]     gameday prune --keep 20
+    gameday trend       gameday gate
     gameday load --users 50 --spawn-rate 10 --run-time 2m --agents 20 [--stack processes]
 """
 
@@ -27,9 +28,9 @@ from harness.load.runner import LoadPlan, LoadResult, load_environment, prepare_
 from harness.load.runner import run_seconds as _run_seconds
 from harness.nemesis import halt
 from harness.nemesis.watchdog import every_users_state_dir, state_dir
-from harness.report import runs
+from harness.report import retention, runs
 from harness.report.page import write_page
-from harness.report.trend import write_index
+from harness.report.trend import INDEX_PAGE, write_index
 from harness.stack.base import Stack
 from harness.stack.containers import ContainersStack
 from harness.stack.processes import ProcessesStack
@@ -158,9 +159,36 @@ def halt_command(
 
 @app.command()
 def report(journal: Annotated[Path, typer.Argument(help="a game day's journal (.json)",
-                                                   exists=True, dir_okay=False)]) -> None:
-    """Render (again) the page of a game day from its journal and history."""
-    console.print(f"page: {write_page(journal)}")
+                                                   exists=True, dir_okay=False)],
+           standalone: Annotated[bool, typer.Option(
+               "--standalone", help="inline the chart script (4.8 MB) so that the page "
+                                    "opens alone, copied anywhere")] = False) -> None:
+    """Render (again) the page of a game day from its journal and history. The page uses
+    the report directory's shared plotly.min.js unless --standalone."""
+    console.print(f"page: {write_page(journal, standalone=standalone)}")
+
+
+@app.command()
+def prune(
+    keep: Annotated[int, typer.Option(help="journals to keep of each scenario, the newest "
+                                           "(and of load runs)", min=1)],
+    report_dir: ReportDir = Path("reports"),
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="say what would go, remove "
+                                                            "nothing")] = False,
+) -> None:
+    """Keep the newest N journals of each scenario, with their history, page and logs, and
+    remove the rest (and their rows in the index of runs). Keep more than the gate's
+    --window, or it compares with fewer runs."""
+    runs.index(report_dir)
+    pruned = retention.prune(report_dir, keep, dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    for path in pruned.removed_files:
+        console.print(f"{verb} {path}", highlight=False)
+    console.print(f"kept the newest {keep} of each of {len(pruned.kept)} scenarios; {verb} "
+                  f"{len(pruned.removed_journals)} journals, {len(pruned.removed_files)} files "
+                  f"({pruned.removed_bytes / 1e6:.1f} MB)", highlight=False)
+    if not dry_run and pruned.removed_journals and (report_dir / INDEX_PAGE).exists():
+        write_index(report_dir)  # it linked the pages removed
 
 
 @app.command()
