@@ -15,7 +15,7 @@ import os
 import tempfile
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, cast
 
 import pytest
 import typer
@@ -31,6 +31,7 @@ from harness.nemesis.watchdog import every_users_state_dir, state_dir
 from harness.report import retention, runs
 from harness.report.page import write_page
 from harness.report.trend import INDEX_PAGE, write_index
+from harness.run import plugin
 from harness.stack.base import Stack
 from harness.stack.containers import ContainersStack
 from harness.stack.processes import ProcessesStack
@@ -70,7 +71,32 @@ def make_stack(stack: StackName, report_dir: Path, target_url: str | None,
 ReportDir = Annotated[Path, typer.Option(help="where journals and pages are")]
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+class _OptionsOf:
+    """Reads the options the pytest plugin declares, to list them under `gameday run --help`
+    (they pass through to pytest; a user should not have to know that to find them)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def getgroup(self, name: str) -> _OptionsOf:
+        return self
+
+    def addoption(self, *names: str, **spec: Any) -> None:
+        metavar = "" if spec.get("action") == "store_true" else " " + str(
+            spec.get("metavar") or names[0].lstrip("-").split("-")[-1].upper())
+        self.lines.append(f"  {', '.join(names)}{metavar}: {spec.get('help', '')}")
+
+
+def _plugin_options() -> str:
+    options = _OptionsOf()
+    plugin.pytest_addoption(cast(pytest.Parser, options))
+    # \b: Click prints the block as it is, one option a line.
+    return "\b\nThe game-day options of the pytest plugin, passed through:\n" + "\n".join(
+        options.lines)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             epilog=_plugin_options())
 def run(
     context: typer.Context,
     scenarios: Annotated[list[str] | None, typer.Argument(
@@ -95,6 +121,16 @@ def run(
         console.print(refused)
         raise typer.Exit(2)
     given = scenarios or []
+    if stack is StackName.target:
+        passed = " ".join([*given, *context.args])
+        missing = [f"--target-{what}" for what in ("url", "email", "password")
+                   if f"--target-{what}" not in passed
+                   and not os.environ.get(f"COVEY_TARGET_{what.upper()}")]
+        if missing:
+            # One line, not pytest's UsageError traceback from inside a fixture.
+            console.print(f"gameday run: --stack target needs {', '.join(missing)} (or "
+                          "COVEY_TARGET_* variables)", highlight=False, soft_wrap=True)
+            raise typer.Exit(2)
     # Click hands pytest's own options (-x, -k EXPR) over among the arguments: without a
     # file or node id among them, the game days are scenarios/ (not the whole test suite).
     named = any(a.endswith(".py") or "::" in a or a.rstrip("/").endswith("scenarios")
