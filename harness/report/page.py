@@ -1,5 +1,8 @@
-"""The page of one game day: a self-contained HTML file beside its journal, readable from a
-CI artifact on a machine with no network (Plotly's script is inlined, nothing is fetched).
+"""The page of one game day: an HTML file beside its journal, readable from a CI artifact on
+a machine with no network (nothing is fetched). Plotly's script (4.8 MB, nearly all of a
+page) is one file beside the pages of a report directory, `plotly.min.js`, not inlined in
+each; a page copied alone still opens, its charts each saying what they miss, and
+`write_page(..., standalone=True)` (`gameday report JOURNAL --standalone`) inlines it.
 
 It shows what an on-call engineer asks first: did the stop hold (status, verdicts with the
 events that prove them), what happened when (a timeline with a lane per agent, fault windows
@@ -10,6 +13,8 @@ how to replay it.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -18,6 +23,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 from jinja2 import Environment, PackageLoader, select_autoescape
+from markupsafe import Markup
 from plotly.offline import get_plotlyjs
 
 from harness.judge.time_to_stop import PARTS, TOTAL
@@ -41,6 +47,26 @@ SYMBOLS = {"agent action (puppet ledger)": ("line-ns-open", "#555555", 9),
            "daemon exit 2 (own guard)": ("x", "#ef6c00", 11),
            "daemon exit 3 (kill switch)": ("x", "#2e7d32", 11)}
 
+# The chart script shared by a report directory's pages (and its index page).
+PLOTLY_FILE = "plotly.min.js"
+# Where the shared script is missing (a page copied out of its directory), a stand-in draws,
+# in place of each chart, what it needs: the page's text (verdicts, figures, replay) is all
+# there without it, and the console stays free of errors.
+PLOTLY_MISSING = Markup("""<script>
+if (!window.Plotly) {
+  window.Plotly = {newPlot: function (where) {
+    var div = typeof where === "string" ? document.getElementById(where) : where;
+    if (div) {
+      div.className += " chart-missing";
+      div.textContent = "This chart needs plotly.min.js beside the page (it is in the " +
+        "report directory the page came from), or a page with it inlined: " +
+        "gameday report JOURNAL --standalone";
+    }
+    return Promise.resolve(div);
+  }};
+}
+</script>""")
+
 TEMPLATES = Environment(loader=PackageLoader("harness.report", "templates"),
                          autoescape=select_autoescape(["html"]), trim_blocks=True,
                          lstrip_blocks=True)
@@ -56,17 +82,40 @@ class Clock:
         return round((time_ns - self.zero_ns) / NS, 6)
 
 
-def write_page(journal_path: Path) -> Path:
-    """Render the page of the journal at `journal_path` beside it (same name, `.html`)."""
+def write_page(journal_path: Path, standalone: bool = False) -> Path:
+    """Render the page of the journal at `journal_path` beside it (same name, `.html`): with
+    the report directory's shared chart script, or with the script inlined (`standalone`)."""
     journal = json.loads(journal_path.read_text())
     history_path = journal_path.with_name(journal.get("history") or "")
     history = History.from_jsonl(history_path) if history_path.is_file() else History()
     page = journal_path.with_suffix(".html")
-    page.write_text(render_page(journal, history))
+    page.write_text(render_page(journal, history, plotly_script(page.parent, standalone)))
     return page
 
 
-def render_page(journal: dict[str, Any], history: History) -> str:
+def plotly_script(report_dir: Path, standalone: bool = False) -> Markup:
+    """The chart script's tags for a page in `report_dir`: inlined when `standalone`, else a
+    reference to the directory's `plotly.min.js` (written there when missing or of another
+    Plotly version) with the stand-in for a page that travelled without it."""
+    script = get_plotlyjs()
+    if standalone:
+        return Markup("<script>") + Markup(script) + Markup("</script>")
+    shared = report_dir / PLOTLY_FILE
+    if not (shared.is_file() and shared.stat().st_size == len(script.encode())
+            and shared.read_text() == script):
+        # Game days finishing at once share the directory: each writes its own copy and
+        # renames it into place, so no page ever reads a half-written script.
+        fd, name = tempfile.mkstemp(prefix=".plotly-", suffix=".js", dir=report_dir)
+        with os.fdopen(fd, "w") as out:
+            out.write(script)
+        os.chmod(name, 0o644)
+        os.replace(name, shared)
+    return Markup(f'<script src="{PLOTLY_FILE}"></script>\n') + PLOTLY_MISSING
+
+
+def render_page(journal: dict[str, Any], history: History,
+                plotly: Markup | None = None) -> str:
+    """The page's HTML; `plotly`: the chart script's tags (default: inlined)."""
     events = sorted(history, key=lambda e: e.time_ns)
     zero = min([e.time_ns for e in events] + [f["started_ns"] for f in journal["faults"]],
                default=_ns(journal["started_at"]))
@@ -75,7 +124,9 @@ def render_page(journal: dict[str, Any], history: History) -> str:
     evidence = {i: history[i] for v in journal["verdicts"] for i in v["evidence"]
                 if 0 <= i < len(history)}
     return TEMPLATES.get_template("gameday.html").render(
-        journal=journal, replay=replay_command(journal), plotly_js=get_plotlyjs(),
+        journal=journal, replay=replay_command(journal),
+        plotly=plotly if plotly is not None else Markup("<script>") + Markup(get_plotlyjs())
+        + Markup("</script>"),
         timeline=timeline(journal, history, clock, lanes).to_html(
             full_html=False, include_plotlyjs=False, div_id="timeline",
             config={"displaylogo": False, "responsive": True}),

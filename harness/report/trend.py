@@ -7,9 +7,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import plotly.graph_objects as go
-from plotly.offline import get_plotlyjs
 
-from harness.report.page import PART_LABELS, TEMPLATES
+from harness.report.page import PART_LABELS, TEMPLATES, plotly_script
 from harness.report.runs import Run, groups, runs
 
 INDEX_PAGE = "index.html"
@@ -26,7 +25,7 @@ def write_index(report_dir: Path, out: Path | None = None) -> Path:
                            full_html=False, include_plotlyjs=False,
                            config={"displaylogo": False, "responsive": True})})
     out.write_text(TEMPLATES.get_template("trend.html").render(
-        groups=charts, plotly_js=get_plotlyjs(), count=len(all_runs),
+        groups=charts, plotly=plotly_script(out.parent), count=len(all_runs),
         rendered_at=datetime.now(UTC).isoformat(timespec="seconds")))
     return out
 

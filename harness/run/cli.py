@@ -2,7 +2,8 @@
 
     gameday run [SCENARIO...] [--stack processes] [--agents 5] [--seed 7]
     gameday halt [--reason TEXT]        gameday halt --release
-    gameday report JOURNAL       gameday trend       gameday gate
+    gameday report JOURNAL [--standalone]     gameday prune --keep 20
+    gameday trend       gameday gate
     gameday load --users 50 --spawn-rate 10 --run-time 2m --agents 20 [--stack processes]
 """
 
@@ -14,21 +15,23 @@ import os
 import tempfile
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, cast
 
 import pytest
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.padding import Padding
 from rich.table import Table
 
 from harness.load.runner import LoadPlan, LoadResult, load_environment, prepare_fleet, run_load
 from harness.load.runner import run_seconds as _run_seconds
 from harness.nemesis import halt
 from harness.nemesis.watchdog import every_users_state_dir, state_dir
-from harness.report import runs
+from harness.report import retention, runs
 from harness.report.page import write_page
-from harness.report.trend import write_index
+from harness.report.trend import INDEX_PAGE, write_index
+from harness.run import plugin
 from harness.stack.base import Stack
 from harness.stack.containers import ContainersStack
 from harness.stack.processes import ProcessesStack
@@ -68,7 +71,32 @@ def make_stack(stack: StackName, report_dir: Path, target_url: str | None,
 ReportDir = Annotated[Path, typer.Option(help="where journals and pages are")]
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+class _OptionsOf:
+    """Reads the options the pytest plugin declares, to list them under `gameday run --help`
+    (they pass through to pytest; a user should not have to know that to find them)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def getgroup(self, name: str) -> _OptionsOf:
+        return self
+
+    def addoption(self, *names: str, **spec: Any) -> None:
+        metavar = "" if spec.get("action") == "store_true" else " " + str(
+            spec.get("metavar") or names[0].lstrip("-").split("-")[-1].upper())
+        self.lines.append(f"  {', '.join(names)}{metavar}: {spec.get('help', '')}")
+
+
+def _plugin_options() -> str:
+    options = _OptionsOf()
+    plugin.pytest_addoption(cast(pytest.Parser, options))
+    # \b: Click prints the block as it is, one option a line.
+    return "\b\nThe game-day options of the pytest plugin, passed through:\n" + "\n".join(
+        options.lines)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             epilog=_plugin_options())
 def run(
     context: typer.Context,
     scenarios: Annotated[list[str] | None, typer.Argument(
@@ -93,6 +121,16 @@ def run(
         console.print(refused)
         raise typer.Exit(2)
     given = scenarios or []
+    if stack is StackName.target:
+        passed = " ".join([*given, *context.args])
+        missing = [f"--target-{what}" for what in ("url", "email", "password")
+                   if f"--target-{what}" not in passed
+                   and not os.environ.get(f"COVEY_TARGET_{what.upper()}")]
+        if missing:
+            # One line, not pytest's UsageError traceback from inside a fixture.
+            console.print(f"gameday run: --stack target needs {', '.join(missing)} (or "
+                          "COVEY_TARGET_* variables)", highlight=False, soft_wrap=True)
+            raise typer.Exit(2)
     # Click hands pytest's own options (-x, -k EXPR) over among the arguments: without a
     # file or node id among them, the game days are scenarios/ (not the whole test suite).
     named = any(a.endswith(".py") or "::" in a or a.rstrip("/").endswith("scenarios")
@@ -157,9 +195,36 @@ def halt_command(
 
 @app.command()
 def report(journal: Annotated[Path, typer.Argument(help="a game day's journal (.json)",
-                                                   exists=True, dir_okay=False)]) -> None:
-    """Render (again) the page of a game day from its journal and history."""
-    console.print(f"page: {write_page(journal)}")
+                                                   exists=True, dir_okay=False)],
+           standalone: Annotated[bool, typer.Option(
+               "--standalone", help="inline the chart script (4.8 MB) so that the page "
+                                    "opens alone, copied anywhere")] = False) -> None:
+    """Render (again) the page of a game day from its journal and history. The page uses
+    the report directory's shared plotly.min.js unless --standalone."""
+    console.print(f"page: {write_page(journal, standalone=standalone)}")
+
+
+@app.command()
+def prune(
+    keep: Annotated[int, typer.Option(help="journals to keep of each scenario, the newest "
+                                           "(and of load runs)", min=1)],
+    report_dir: ReportDir = Path("reports"),
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="say what would go, remove "
+                                                            "nothing")] = False,
+) -> None:
+    """Keep the newest N journals of each scenario, with their history, page and logs, and
+    remove the rest (and their rows in the index of runs). Keep more than the gate's
+    --window, or it compares with fewer runs."""
+    runs.index(report_dir)
+    pruned = retention.prune(report_dir, keep, dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    for path in pruned.removed_files:
+        console.print(f"{verb} {path}", highlight=False)
+    console.print(f"kept the newest {keep} of each of {len(pruned.kept)} scenarios; {verb} "
+                  f"{len(pruned.removed_journals)} journals, {len(pruned.removed_files)} files "
+                  f"({pruned.removed_bytes / 1e6:.1f} MB)", highlight=False)
+    if not dry_run and pruned.removed_journals and (report_dir / INDEX_PAGE).exists():
+        write_index(report_dir)  # it linked the pages removed
 
 
 @app.command()
@@ -167,17 +232,47 @@ def trend(report_dir: ReportDir = Path("reports")) -> None:
     """Every scenario over time: a table here and an index page of the report directory."""
     runs.index(report_dir)
     all_runs = runs.runs(report_dir)
-    table = Table(title=f"game days in {report_dir}/ ({len(all_runs)} runs)")
-    for column in ("scenario", "stack", "agents", "runs", "latest", "status",
-                   "daemon exit p99 ms", "total p99 ms"):
-        table.add_column(column)
-    for (scenario, stack, agents), group_runs in sorted(runs.groups(all_runs).items()):
-        latest = group_runs[-1]
-        table.add_row(scenario, stack, str(agents), str(len(group_runs)), latest.started_at,
-                      latest.status, *(f"{latest.p99_us[p] / 1000:.1f}" if p in latest.p99_us
-                                       else "-" for p in ("daemon_exit", "total")))
-    console.print(table)
+    table = trend_table(report_dir, all_runs)
+    wanted = console.measure(table, options=console.options.update(max_width=10_000)).maximum
+    if not console.is_terminal:
+        # A CI log or a pipe has no width: Rich would assume 80 columns and cut the scenario
+        # names to `test_r…`. There each row stays one whole line, for people and for grep.
+        Console(width=max(console.width, wanted), highlight=False).print(table)
+    elif wanted <= console.width:
+        console.print(table)
+    else:
+        # A terminal too narrow for the table: each scenario's full name on a line of its
+        # own, its figures wrapped beneath it, rather than names folded letter by letter.
+        console.print(table.title, highlight=False)
+        for row in trend_rows(all_runs):
+            console.print(row[0], style="bold", highlight=False)
+            console.print(Padding(f"{row[1]}, {row[2]} agents: {row[3]} runs, latest "
+                                  f"{row[4]} UTC {row[5]} · daemon exit p99 {_ms(row[6])} · "
+                                  f"total p99 {_ms(row[7])}", (0, 0, 0, 4)), highlight=False)
     console.print(f"index page: {write_index(report_dir)}")
+
+
+def _ms(cell: str) -> str:
+    return "not measured" if cell == "-" else f"{cell} ms"
+
+
+def trend_table(report_dir: Path, all_runs: list[runs.Run]) -> Table:
+    table = Table(title=f"game days in {report_dir}/ ({len(all_runs)} runs)")
+    for column in ("scenario", "stack", "agents", "runs", "latest (UTC)", "status",
+                   "daemon exit p99 ms", "total p99 ms"):
+        table.add_column(column, no_wrap=True)
+    for row in trend_rows(all_runs):
+        table.add_row(*row)
+    return table
+
+
+def trend_rows(all_runs: list[runs.Run]) -> list[tuple[str, ...]]:
+    """The latest figures of every comparable group, as the table's cells."""
+    return [(scenario, stack, str(agents), str(len(group_runs)),
+             runs.minute(group_runs[-1].started_at), group_runs[-1].status,
+             *(f"{group_runs[-1].p99_us[p] / 1000:.1f}" if p in group_runs[-1].p99_us else "-"
+               for p in ("daemon_exit", "total")))
+            for (scenario, stack, agents), group_runs in sorted(runs.groups(all_runs).items())]
 
 
 @app.command()
@@ -286,6 +381,10 @@ def show(result: LoadResult) -> None:
         table.add_row(part, str(p["count"]), *(f"{p[k] / 1000:.1f}" for k in
                                                 ("p50_us", "p90_us", "p99_us", "max_us")))
     console.print(table)
+    console.print("percentiles above: the harness's one definition (HDR, as in every game "
+                  "day's summary and the gate); Locust's HTML and CSV round the times and take "
+                  "the upper middle sample for a median, so their KILL rows can differ",
+                  highlight=False)
     for name, path in result.files.items():
         console.print(f"{name}: {path}")
     if result.passed:

@@ -157,7 +157,8 @@ async def puppet_process(log_dir: Path) -> AsyncIterator[RemotePuppet]:
     arrives, not when a busy harness's event loop gets round to it (in-process, 50 agents'
     calls were stamped after the kill that had already stopped them)."""
     port = free_port()
-    with (log_dir / f"puppet-{port}.log").open("ab") as log:
+    log_path = log_dir / f"puppet-{port}.log"
+    with log_path.open("ab") as log:
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "harness.act.puppet", "--port", str(port),
             stdout=log, stderr=asyncio.subprocess.STDOUT)
@@ -169,6 +170,7 @@ async def puppet_process(log_dir: Path) -> AsyncIterator[RemotePuppet]:
         if process.returncode is None:
             process.terminate()
             await process.wait()
+        drop_if_empty(log_path)
 
 
 @asynccontextmanager
@@ -178,7 +180,8 @@ async def proxy_process(name: str, target: int | str, log_dir: Path
     `python -m harness.nemesis --target` takes it (HOST:PORT, unix:PATH), in a process of its
     own: its faults heal on their deadlines whatever the harness's event loop is doing, and
     even after the harness died (it then heals and exits)."""
-    with (log_dir / f"proxy-{name}-{os.getpid()}.log").open("ab") as log:
+    log_path = log_dir / f"proxy-{name}-{os.getpid()}.log"
+    with log_path.open("ab") as log:
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "harness.nemesis", "--name", name,
             "--target", f"127.0.0.1:{target}" if isinstance(target, int) else target,
@@ -196,3 +199,12 @@ async def proxy_process(name: str, target: int | str, log_dir: Path
         if process.returncode is None:
             process.terminate()
             await process.wait()
+        drop_if_empty(log_path)
+
+
+def drop_if_empty(log: Path) -> None:
+    """A helper process that said nothing leaves no log: 19 empty ones once sat in reports/
+    beside the journals people had to find."""
+    with contextlib.suppress(OSError):
+        if log.stat().st_size == 0:
+            log.unlink()

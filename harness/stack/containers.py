@@ -292,7 +292,8 @@ class ContainersStack:
             with contextlib.suppress(Exception):
                 logs = b"".join(container.get_logs()).decode(errors="replace")
                 name = container.get_wrapped_container().name
-                (self.report_dir / f"{gameday}-{name}.log").write_text(logs)
+                if logs:  # no empty files among the reports
+                    (self.report_dir / f"{gameday}-{name}.log").write_text(logs)
             with contextlib.suppress(Exception):
                 container.stop()
         client = docker.from_env()
