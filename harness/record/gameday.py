@@ -153,6 +153,11 @@ class GameDay:
     # scenario saw broken as it went on, if it stopped on one: what a failure leads with.
     outcome: Outcome = field(default_factory=Outcome)
     seen_broken: str | None = None
+    # Whether run_game_day got to its rollback: a Ctrl-C raised outside the scenario's
+    # coroutine never lets it, and the fixture's teardown then rolls back (and writes the
+    # `aborted` journal).
+    rolled_back: bool = False
+    left_standing: str | None = None  # what the rollback could not restore
     # Isolation, steady-state hypothesis and rollback (harness/stack/isolation.py, steady.py,
     # rollback.py): where the game day runs, its probe agents, and their journal sections.
     run_id: str = field(default_factory=run_id)

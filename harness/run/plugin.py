@@ -30,7 +30,7 @@ from harness.report.summary import (
     pytest_terminal_summary,
 )
 from harness.run.lifecycle import run_game_day
-from harness.run.rollback import RollbackFailed
+from harness.run.rollback import RollbackFailed, roll_back_loudly
 from harness.run.steady import SteadyStateNotMet
 from harness.stack.base import Endpoints, Stack
 from harness.stack.containers import ContainersStack
@@ -232,9 +232,17 @@ async def gameday(request: pytest.FixtureRequest, reused_stack: Endpoints | None
             # scenario's to remember.
             yield day
         finally:
+            left_standing = day.left_standing
+            try:
+                if not day.rolled_back:
+                    await roll_back_loudly(day)
+            except RollbackFailed as failed:
+                left_standing = str(failed)
             await day.close()
             # The page after the rollback: it shows what was restored.
             game_day_written(request.node, day.journal_path)
+            if left_standing is not None:  # loud, and without a traceback in the way
+                pytest.fail(left_standing, pytrace=False)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -263,8 +271,6 @@ def owned_by_the_harness(scenario: Callable[..., Awaitable[None]], day: GameDay
                 await scenario(*args, **kwargs)
         except SteadyStateNotMet as not_met:
             refused = f"the game day did not start: {not_met}"
-        except RollbackFailed as failed:
-            refused = str(failed)
         if refused is not None:  # outside the except: no chained traceback
             pytest.fail(refused, pytrace=False)
     return game_day

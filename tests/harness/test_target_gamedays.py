@@ -314,7 +314,7 @@ async def test_a_rollback_that_cannot_restore_is_a_loud_error(
     gone = tmp_path / "deployment-gone"
     scenario.write_text(textwrap.dedent(FAILS_AFTER_THE_KILL).replace(
         "{failure}", f"await eventually(lambda: asyncio.to_thread(os.path.exists, {str(gone)!r}),"
-        " 60, 'the deployment was not stopped')\n        assert False, 'on purpose'").replace(
+        " 60, 'the deployment was not stopped')\n    assert False, 'on purpose'").replace(
         "import asyncio", "import asyncio\nimport os"))
     reports = tmp_path / "reports"
     (tmp_path / "target").mkdir()
