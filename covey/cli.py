@@ -129,5 +129,7 @@ def main(argv: list[str] | None = None) -> None:
                       + (f": {', '.join(applied)}" if applied else ""))
             else:
                 print(asyncio.run(_bootstrap(url, args)))
+    except ConfigError as exc:
+        sys.exit(f"covey: {exc}")
     except KeyboardInterrupt:
         sys.exit(128 + signal.SIGINT)

@@ -14,6 +14,8 @@ import asyncpg
 import structlog
 from asyncpg.pool import PoolConnectionProxy
 
+from covey.config import ConfigError
+
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
@@ -108,6 +110,16 @@ async def migrate(url: str) -> list[str]:
     """Apply the migrations not yet recorded, in order, each in its own transaction."""
     conn = await asyncpg.connect(url)
     applied_now: list[str] = []
+    encoding = await conn.fetchval("SHOW server_encoding")
+    if encoding != "UTF8":
+        await conn.close()
+        # A SQL_ASCII database (initdb in a C locale) takes a NUL-free ASCII world only: the
+        # first U+FFFD that replaced a model's NUL, or any agent's non-English text in a
+        # jsonb column, failed the daemon's handler and, six losses later, its task.
+        raise ConfigError(
+            f"the database's encoding is {encoding}, not UTF8: covey stores agents' text in "
+            "any language. Create it as UTF8 (`initdb -E UTF8`, or `CREATE DATABASE … "
+            "ENCODING 'UTF8' TEMPLATE template0`)")
     try:
         # One migrator at a time, across replicas starting together.
         await conn.execute("SELECT pg_advisory_lock(7460001)")

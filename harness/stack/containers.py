@@ -35,7 +35,9 @@ POSTGRES_SCRIPT = (
     "su postgres -s /bin/sh -c '"
     "PG=$(ls -d /usr/lib/postgresql/*/bin | tail -1); "
     "test -f /var/lib/covey-pg/data/PG_VERSION || { "
-    "$PG/initdb -D /var/lib/covey-pg/data --auth=trust -U postgres >/dev/null && "
+    # UTF8, never the C locale's SQL_ASCII: covey refuses that (agents' text is any language).
+    "$PG/initdb -D /var/lib/covey-pg/data --auth=trust -U postgres -E UTF8 --no-locale "
+    ">/dev/null && "
     "echo \"host all all 0.0.0.0/0 trust\" >> /var/lib/covey-pg/data/pg_hba.conf; }; "
     "exec $PG/postgres -D /var/lib/covey-pg/data -c listen_addresses=* -c fsync=off "
     "-c max_connections=300'"

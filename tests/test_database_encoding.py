@@ -1,0 +1,37 @@
+"""covey refuses a database that cannot hold agents' text, at start, in words: a SQL_ASCII
+database once took every migration and then failed a daemon's handler at the first U+FFFD
+(a model's NUL, cleaned) written into a jsonb column, six times, and its task."""
+
+from __future__ import annotations
+
+import uuid
+
+import asyncpg
+import pytest
+
+from covey.config import ConfigError
+from covey.db import migrate
+from harness.stack.postgres import drop_database, with_database
+
+
+async def test_a_sql_ascii_database_is_refused_before_any_migration(pg_url: str) -> None:
+    name = f"covey_ascii_{uuid.uuid4().hex[:8]}"
+    conn = await asyncpg.connect(pg_url)
+    try:
+        await conn.execute(f"CREATE DATABASE \"{name}\" ENCODING 'SQL_ASCII' "
+                           "LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0")
+    finally:
+        await conn.close()
+    url = with_database(pg_url, name)
+    try:
+        with pytest.raises(ConfigError, match=r"encoding is SQL_ASCII, not UTF8.*initdb -E UTF8"):
+            await migrate(url)
+        conn = await asyncpg.connect(url)
+        try:
+            tables = await conn.fetchval(
+                "SELECT count(*) FROM pg_tables WHERE schemaname='public'")
+        finally:
+            await conn.close()
+        assert tables == 0, f"{tables} tables were created in a database covey refused"
+    finally:
+        await drop_database(pg_url, name)
