@@ -56,6 +56,8 @@ ROLES = ("agent_owner", "security", "auditor", "controlling")
 GAME_DAY_MAX_TURNS = 10_000
 GAME_DAY_GUARD = {"max_tokens": 10_000_000, "max_tool_calls": 100_000, "max_wall_s": 3600.0}
 OBSERVER = "observer"
+# The operations that are switches (kill, resume, a global or tool stop and their release).
+SWITCH_PREFIXES = ("kill_", "resume_", "stop_", "clear_")
 
 
 def _ns(timestamp: str | None) -> int | None:
@@ -316,7 +318,15 @@ class GameDay:
             raise
         outcome: Literal["ok", "fail", "info"] = (
             "ok" if r.is_success else "info" if r.status_code == 503 else "fail")
-        phases.info("%s: %s answered %s", role, f, r.status_code)
+        # The live output shows the switches and every refusal; a routine success (a task
+        # created, a wake that started a session) is only in the history: 14 lines of
+        # `create_task answered 201` once hid the kill among them.
+        if r.is_success and not f.startswith(SWITCH_PREFIXES):
+            phases.debug("%s: %s answered %s", role, f, r.status_code)
+        elif r.is_success:
+            phases.info("%s pulled %s: answered %s", role, f, r.status_code)
+        else:
+            phases.info("%s: %s refused with %s", role, f, r.status_code)
         body = r.json() if r.headers.get("content-type", "").startswith("application/json") \
             else {}
         result: dict[str, Any] = {"status": r.status_code, "body": body}
@@ -506,6 +516,10 @@ class GameDay:
                                               "samples_ns": [asdict(s) for s in samples]},
                              **self.measurements},
             "verdicts": [asdict(v) for v in verdicts],
+            # What the page needs to tell a failure from a quiet "not judged": the checkers
+            # this game day had to decide, and the rule it saw broken as it went on.
+            "required": sorted(self.required),
+            "seen_broken": self.seen_broken,
             "notes": self.notes,
             "history": history_path.name,
             **self.journal_sections,

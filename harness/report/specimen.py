@@ -24,6 +24,9 @@ START_NS = 1_800_000_000 * 1_000_000_000  # a fixed wall-clock instant (2027-01-
 MS = 1_000_000
 FAULT_ID, FAULT_KIND, FAULT_TARGET = "control-channel-blackhole-1", "blackhole", "control-channel"
 FAULT_FROM_MS, FAULT_TO_MS = 2000, 3500
+# What fleet_stop decides (scenarios/fleet_stop.py's `decides`).
+REQUIRED = ("no_action_after_kill_ack", "each_task_done_once_after_resume",
+            "no_wake_of_stopped_agent", "every_fault_healed", "kill_obeyed")
 
 
 def specimen_game_day(agents: int = 5, seed: int = 7) -> tuple[dict[str, Any], History]:
@@ -115,6 +118,8 @@ def specimen_game_day(agents: int = 5, seed: int = 7) -> tuple[dict[str, Any], H
             "summary_us": {p: asdict(v) for p, v in summarize(samples).items()},
             "samples_ns": [asdict(s) for s in samples]}},
         "verdicts": [asdict(v) for v in check_all(history, final)],
+        "required": sorted(REQUIRED),
+        "seen_broken": None,
         "notes": ["a specimen: made up, not measured"],
         "history": "",
     }

@@ -221,7 +221,7 @@ async def gameday(request: pytest.FixtureRequest, reused_stack: Endpoints | None
         required = required_checkers(request.node)
         day = GameDay(name=request.node.name, stack=name, endpoints=endpoints,
                       seed=_seed(config), report_dir=Path(config.getoption("--report-dir")),
-                      required=required, scenario=request.node.nodeid,
+                      required=required, scenario=replay_node(request.node),
                       checkers=chosen_checkers(request.node, required),
                       measures=chosen_measures(request.node),
                       bounds=chosen_bounds(request.node))
@@ -370,6 +370,20 @@ def marked_checkers(node: pytest.Item | pytest.Collector, mark_name: str) -> fro
                                 f"{', '.join(sorted(unknown))}; checkers: "
                                 f"{', '.join(sorted(KNOWN_CHECKERS))}")
     return frozenset(names)
+
+
+def replay_node(node: pytest.Item) -> str:
+    """The test as a pytest argument that finds it again from where pytest was started: the
+    file (relative to there when under it) and the test's name. A node id alone is relative
+    to the rootdir, and once read `::test_...` with no file at all."""
+    path = Path(node.path)
+    started = node.config.invocation_params.dir
+    try:
+        where = str(path.relative_to(started))
+    except ValueError:
+        where = str(path)
+    name = node.nodeid.split("::", 1)[1] if "::" in node.nodeid else node.name
+    return f"{where}::{name}"
 
 
 def required_checkers(node: pytest.Item | pytest.Collector) -> frozenset[str]:
