@@ -254,7 +254,7 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
     app.openapi = lambda: document(app, settings.heartbeat_min_s)  # type: ignore[method-assign]
     for router in (auth.router, agents.router, fleet.router, flags.router, trigger.router,
                    notifications.router, daemon.router, administration.router, audit.router,
-                   docs.router):
+                   docs.router, administration.icon_router):
         app.include_router(router)
 
     @app.get("/healthz", tags=["system"],
