@@ -120,7 +120,7 @@ def headline(journal: dict[str, Any], verdicts: list[Verdict]) -> list[str]:
         out.append("no kill was pulled")
     else:
         covered, stopped, idle = stopped_agents(journal)
-        phrase = f"{len(stopped)} of {len(covered)} agents stopped"
+        phrase = f"{len(stopped)} of {_agents(len(covered))} stopped"
         codes = Counter(s["daemon_exit_code"] for s in samples
                         if s["daemon_exit_code"] is not None)
         if codes and set(codes) != {3}:
@@ -141,10 +141,10 @@ def headline(journal: dict[str, Any], verdicts: list[Verdict]) -> list[str]:
     elif samples:
         late = {s["agent_id"] for s in samples if s["last_action_ns"] is not None}
         out.append("0 actions after the request" if not late
-                   else f"{len(late)} agents acted after the request")
+                   else f"{_agents(len(late))} acted after the request")
     requeued = {s["agent_id"] for s in samples if s["tasks_requeued_ns"] is not None}
     if requeued:
-        out.append(f"tasks of {len(requeued)} agents back in the backlog")
+        out.append(f"tasks of {_agents(len(requeued))} back in the backlog")
     resumed = next((v for v in verdicts if v.checker == RESUMED_ONCE), None)
     if resumed is not None and resumed.valid is True:
         out.append("all done once after resume")
@@ -154,6 +154,10 @@ def headline(journal: dict[str, Any], verdicts: list[Verdict]) -> list[str]:
     if spend is not None and spend["value"] is not None:
         out.append(f"${spend['value']:.4f} past the budget cap (bound ${spend['bound']:.2f})")
     return out
+
+
+def _agents(n: int) -> str:
+    return f"{n} agent" if n == 1 else f"{n} agents"
 
 
 def bounded(journal: dict[str, Any]) -> list[BoundedFigure]:

@@ -93,7 +93,7 @@ def headline_counts(journal: dict[str, Any]) -> dict[str, float]:
 
 def assert_headline_matches(text: str, journal: dict[str, Any]) -> None:
     counts = headline_counts(journal)
-    found = re.search(r"(\d+) of (\d+) agents stopped", text)
+    found = re.search(r"(\d+) of (\d+) agents? stopped", text)
     assert found, f"the headline does not say how many agents stopped: {text!r}"
     assert (int(found[1]), int(found[2])) == (counts["stopped"], counts["covered"]), (
         f"the headline says {found[0]!r}, the journal {counts}")
