@@ -134,11 +134,13 @@
       ev.preventDefault();
       const message = document.getElementById("message");
       message.textContent = "Sending…";
+      message.dataset.outcome = "";  // "ok" or "refused" once answered: what scripts wait on
       const reply = await fetch(form.action, {
         method: "POST", credentials: "same-origin",
         headers: {"Accept": "application/json"},
         body: new URLSearchParams(new FormData(form))});
       const body = await reply.json().catch(() => ({}));
+      message.dataset.outcome = reply.ok ? "ok" : "refused";
       if (!reply.ok) {
         message.textContent = (body.error || "Refused") + ": " + (body.hint || "");
       } else if (form.hasAttribute("data-stop")) {
