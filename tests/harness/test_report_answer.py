@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from harness.act.browser import chromium, screenshot_dir
+from harness.generator.schedule import from_journal, generate
 from harness.record.history import History
 from harness.report.answer import answer
 from harness.report.page import Clock, agent_lanes, timeline, write_page
@@ -221,3 +222,15 @@ def test_the_replay_names_the_file_from_where_pytest_started(
     result = pytester.runpytest_inprocess("test_node.py", "--rootdir", str(pytester.path),
                                           "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+def test_a_random_game_day_replays_its_schedule_from_its_journal(tmp_path: Path) -> None:
+    journal, history = specimen_game_day(2)
+    schedule = generate(11, agents=2, duration_s=5, faults=())
+    journal.update(scenario="scenarios/random_gameday.py::test_random_gameday[seed11]",
+                   schedule=schedule.to_json())
+    path = _written(tmp_path, "random", journal, history)
+    words = shlex.split(answer(journal, path).replay)
+    assert words == ["pytest", "scenarios/random_gameday.py", "--stack", "processes",
+                     "--replay", str(path)], words
+    assert from_journal(words[-1]) == schedule, "--replay would not read this schedule back"
