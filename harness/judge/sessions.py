@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from harness.judge.checkers import (
     SESSION_END_F,
+    Checker,
     FinalState,
     Verdict,
     _count,
@@ -154,3 +155,7 @@ def no_session_outlives_kill(history: History, final: FinalState) -> Verdict:
                    f"({_count(seen, 'session')} against {_count(len(acknowledged), 'kill')}, "
                    f"{raced} of them started while the kill was on its way).",
                    tuple(s.kill.last_index for s in acknowledged))
+
+
+# Chosen by a scenario's `checkers` or `decides` marker (the plugin's catalogue).
+SESSION_CHECKERS: tuple[Checker, ...] = (late_result_refused, no_session_outlives_kill)

@@ -37,7 +37,7 @@ from harness.judge.checkers import (
     _ms,
     _sentence,
 )
-from harness.judge.sessions import late_result_refused, no_session_outlives_kill
+from harness.judge.sessions import SESSION_CHECKERS
 from harness.judge.stops import KILL_SCOPES, holding, stops
 from harness.record.history import History
 
@@ -432,11 +432,9 @@ SWITCH_CHECKERS: tuple[Checker, ...] = (
     fleet_resume_keeps_own_kills,
     wake_paths_refused_while_stopped,
     stopped_tool_not_run,
-    late_result_refused,
-    no_session_outlives_kill,
 )
 
 # Every checker a scenario may name in its `checkers` or `decides` marker.
-CATALOGUE: tuple[Checker, ...] = (*ALL_CHECKERS, *SWITCH_CHECKERS)
+CATALOGUE: tuple[Checker, ...] = (*ALL_CHECKERS, *SWITCH_CHECKERS, *SESSION_CHECKERS)
 
 

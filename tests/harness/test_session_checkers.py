@@ -123,3 +123,12 @@ def test_without_a_kill_or_a_session_to_stop_it_cannot_decide() -> None:
     _kill(day, "a1", 100, 130)
     verdict = no_session_outlives_kill(day.history, FinalState())
     assert verdict.valid == "unknown" and "no kill had a session to stop" in verdict.message
+
+
+def test_a_scenario_may_choose_each_of_them_by_name() -> None:
+    from harness.judge.sessions import SESSION_CHECKERS
+    from harness.judge.verdicts import KNOWN_CHECKERS
+
+    assert {c.__name__ for c in SESSION_CHECKERS} == {"late_result_refused",
+                                                     "no_session_outlives_kill"}
+    assert {c.__name__ for c in SESSION_CHECKERS} <= KNOWN_CHECKERS
