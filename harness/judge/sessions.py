@@ -108,8 +108,9 @@ def _sessions(history: History) -> dict[str, tuple[str, int, int | None]]:
 def no_session_outlives_kill(history: History, final: FinalState) -> Verdict:
     """No session of an agent is live while a stop of it stands: every session that started
     before the kill was acknowledged (a wake that raced the kill included) is over by then,
-    and none starts until a resume. A kill that sends `kill` before its flag is committed
-    lets a wake in between start a session its cancel never sees (DESIGN §2.3.1)."""
+    or named in the kill's answer as one it cancelled, and none starts until a resume. A
+    kill that sends `kill` before its flag is committed lets a wake in between start a
+    session its cancel never sees (DESIGN §2.3.1)."""
     name = "no_session_outlives_kill"
     acknowledged = [s for s in stops(history) if s.acknowledged_ns is not None]
     if not acknowledged:
@@ -122,6 +123,10 @@ def no_session_outlives_kill(history: History, final: FinalState) -> Verdict:
         ack = stop.acknowledged_ns or 0
         if stop.lifted_ns is not None and stop.lifted_ns <= ack:
             continue  # a resume raced the kill: nothing stood to judge
+        # What the kill's answer says it stopped it saw, whatever the clocks of a deployment
+        # say of when that session ended.
+        saw = {str(s) for s in (stop.kill.value.get("body") or {}).get("sessions_cancelled")
+               or []}
         for session, (agent, started, ended) in sorted(sessions.items()):
             if not stop.covers(agent, final.org_of(agent)):
                 continue
@@ -129,7 +134,8 @@ def no_session_outlives_kill(history: History, final: FinalState) -> Verdict:
                 seen += 1  # a session the kill had to see
                 raced += started > stop.kill.start_ns
             live_after = ended is None or ended > ack
-            if not live_after or (stop.lifted_ns is not None and started >= stop.lifted_ns):
+            if not live_after or session in saw or (stop.lifted_ns is not None
+                                                    and started >= stop.lifted_ns):
                 continue
             evidence.add(stop.kill.last_index)
             when = (f"started {_ms(ack - started)} before" if started < ack

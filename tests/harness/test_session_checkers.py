@@ -83,12 +83,14 @@ def test_a_session_the_kill_cancelled_passes() -> None:
     day = GameDay()
     _session(day, "s1", 10, 102, "cancelled")
     _session(day, "s2", 101, 102, "cancelled")  # a wake that raced the kill, seen by it
-    _kill(day, "a1", 100, 130, cancelled=("s1", "s2"))
+    # Cancelled by the kill, its end stamped late by a deployment's clock: the answer says.
+    _session(day, "s4", 90, 150, "cancelled")
+    _kill(day, "a1", 100, 130, cancelled=("s1", "s2", "s4"))
     day.resume_agent("a1", 400, 410)
     _session(day, "s3", 412, None)  # after the resume: free to run
     verdict = no_session_outlives_kill(day.history, FinalState())
     assert verdict.valid is True, verdict.message
-    assert "2 sessions" in verdict.message and "1 of them started while" in verdict.message
+    assert "3 sessions" in verdict.message and "1 of them started while" in verdict.message
 
 
 def test_a_raced_session_the_kill_never_saw_fails() -> None:
