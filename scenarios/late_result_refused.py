@@ -21,14 +21,17 @@ from harness.act.client import json_of
 from harness.act.expect import rule
 from harness.record.gameday import GameDay
 
-# Long enough for the cut to stand before the agent finishes, short enough for the daemon
-# to finish before its kill-flag lease (2 s, renewed every 0.67 s) lapses in the dark.
-COMMAND_S = 0.6
+# Long enough for the cut to stand before the agent finishes, and well short of the lease
+# this game day's daemons hold: cut off, a daemon stops once its lease lapses (fail closed),
+# and one that stopped sends no result. The lease is renewed every third of it.
+LEASE_MS = 6000
+COMMAND_S = 1.5
 SHORT_COMMAND = {"name": "short_command_then_finish", "steps": [
     {"shell": f"sleep {COMMAND_S}"}, {"finish": "finished by the session that ran it"}]}
 CUT_S = 60.0  # the fault's deadline; it is healed by hand long before
 
 
+@pytest.mark.lease_ms(LEASE_MS)
 @pytest.mark.checkers("no_action_after_kill_ack", "every_fault_healed")
 @pytest.mark.decides("late_result_refused", "in_progress_requeued",
                      "each_task_done_once_after_resume", "every_fault_healed")
