@@ -21,7 +21,7 @@ from faker import Faker
 
 from harness.act.client import CoveyClient, json_of
 from harness.act.expect import Expect
-from harness.act.operator import Operator, Until
+from harness.act.operator import RECORDING_PAGE, Operator, Until
 from harness.act.puppet import Behaviour, behaviour_name, resolve
 from harness.judge.bounds import BOUND_PREFIX, Figure, bounded_figures
 from harness.judge.checkers import (
@@ -40,6 +40,7 @@ from harness.judge.checkers import (
     judge_all,
 )
 from harness.judge.costs import Measure
+from harness.judge.sessions import TASK_RESULT_F
 from harness.judge.switch_checkers import LEASE_F, SANDBOX_F
 from harness.judge.time_to_stop import TimeToStop, summarize, time_to_stop
 from harness.judge.verdicts import broken_rules
@@ -470,6 +471,23 @@ class GameDay:
                     self.history.observe(OBSERVER, KILL_DELIVERY_F, delivery,
                                          time_ns=delivery["sent_ns"])
 
+    async def copy_task_results(self) -> None:
+        """Each result a daemon reported for a task, as the control plane recorded it in the
+        agent's recording (taken, or rejected and why), by the session that reported it."""
+        for agent_id in self.agents:
+            seen = 0
+            while True:
+                page = json_of(await self.reader(agent_id).recording(agent_id, after=seen))
+                for e in page:
+                    seen = max(seen, int(e["id"]))
+                    if e["kind"] == "task" and e["status"] in ("done", "blocked", "rejected"):
+                        self.history.observe(OBSERVER, TASK_RESULT_F, {
+                            "agent_id": agent_id, "session_id": e["session_id"],
+                            "task_id": e["detail"].get("task_id"), "status": e["status"],
+                            "why": e["detail"].get("why")}, time_ns=_ns(e["at"]))
+                if len(page) < RECORDING_PAGE:
+                    break
+
     async def final_state(self) -> FinalState:
         tasks: dict[str, FinalTask] = {}
         agents: dict[str, FinalAgent] = {}
@@ -553,6 +571,7 @@ class GameDay:
         self.copy_faults()
         await self.copy_ledger()
         await self.copy_sandboxes_and_sessions()
+        await self.copy_task_results()
         return await self.final_state()
 
     async def roll_back(self) -> None:

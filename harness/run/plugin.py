@@ -207,7 +207,8 @@ async def gameday(request: pytest.FixtureRequest, reused_stack: Endpoints | None
         phases.info("%s: bringing the %s stack up", request.node.name, name)
     stack = make_stack(config) if reused_stack is None else None
     for mark, what in ((TICK_MARK, "a scheduler tick of {} ms"),
-                       (HEARTBEAT_MIN_MARK, "a heartbeat minimum of {} s")):
+                       (HEARTBEAT_MIN_MARK, "a heartbeat minimum of {} s"),
+                       (LEASE_MARK, "a kill-flag lease of {} ms")):
         asked = request.node.get_closest_marker(mark)
         if asked is None:
             continue
@@ -332,6 +333,7 @@ DECIDES = "decides"
 CHECKERS_MARK = "checkers"
 TICK_MARK = "tick_ms"
 HEARTBEAT_MIN_MARK = "heartbeat_min_s"
+LEASE_MARK = "lease_ms"
 MEASURES_MARK = "measures"
 BOUNDS_MARK = "bounds"
 
@@ -348,6 +350,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", f"{HEARTBEAT_MIN_MARK}(s): bring this game day's own stack up with this "
                    f"shortest heartbeat period (COVEY_HEARTBEAT_MIN_S; skipped with "
                    f"--reuse-stack and on a deployment)")
+    config.addinivalue_line(
+        "markers", f"{LEASE_MARK}(ms): bring this game day's own stack up with this kill-flag "
+                   f"lease (COVEY_LEASE_MS; skipped with --reuse-stack and on a deployment)")
     config.addinivalue_line(
         "markers", f"{CHECKERS_MARK}(*checkers): judge this game day with these checkers "
                    f"(and those it decides) instead of the default set")
