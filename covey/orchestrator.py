@@ -16,6 +16,7 @@ once (two FOR SHARE holders that both upgrade deadlock too).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import time
@@ -1257,6 +1258,37 @@ class Orchestrator:
             await self.wake_many(sorted(ids), "tick")
         if self.runner is not None:
             await self.runner.maintain_parked(self.tell_idle_to_sleep)
+
+    async def settle_previous_life(self) -> list[UUID]:
+        """At start, the sessions this node's previous life left live (same host and port:
+        only one process can hold them) are lost, their tasks back in the backlog as after
+        any daemon loss. Their daemons' channels died with that life, their tokens are spent,
+        and no replica but this one could ever hear them again; a game day found them still
+        `running` about 6 s after a restart, until the stale-session sweep. Each is settled
+        once its daemon's lease (renewed at the session's last_seen_at) has run out, so that
+        no task is handed out again while its old daemon may still act: after a restart that
+        has nearly always happened already. Another replica's sessions are never touched."""
+        host_port = self.node.rsplit(":", 1)[0]
+        rows = await through_outage(lambda: self.pool.fetch(
+            "SELECT id, EXTRACT(EPOCH FROM last_seen_at - now())::float8 + $3 AS leased_s"
+            " FROM sessions"
+            " WHERE node LIKE $1 || ':%' AND node <> $2 AND state IN ('starting','running')",
+            host_port, self.node, self.settings.lease_ms / 1000), "a previous life's sessions")
+        if not rows:
+            return []
+        await asyncio.sleep(max(0.0, max(r["leased_s"] for r in rows)))
+        # A daemon whose session was still `starting` may have dialled this life meanwhile
+        # with its unspent token: it is served here, not lost.
+        held = set(self.hub.session_ids())
+        lost = [r["id"] for r in rows if r["id"] not in held]
+        tasks: list[UUID] = []
+        for session_id in lost:
+            tasks += await through_outage(functools.partial(
+                self.session_lost, session_id, "its control plane restarted: the daemon's "
+                "channel died with the plane's previous life"), "a previous life's session")
+        log.warning("sessions of a previous life settled", sessions=len(lost),
+                    tasks=len(tasks))
+        return tasks
 
     async def requeue_orphaned_work(self) -> list[UUID]:
         """Put back to open the tasks still in progress under a session that is over.
