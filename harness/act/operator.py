@@ -174,6 +174,25 @@ class Until:
             for agent_id in ids:
                 await self.day.remains(agent_id)
 
+    async def sessions_over(self, agents: list[AgentRef], session_ids: set[str],
+                            deadline_s: float, broken: str) -> None:
+        """None of these sessions of these agents is starting or running any more, as the
+        control plane says; `broken` says which rule one still live breaks."""
+        ids = self._agents(agents)
+        live: list[str] = []
+
+        async def over() -> bool:
+            live.clear()
+            for agent_id in ids:
+                live.extend(s["id"] for s in json_of(
+                    await self.day.reader(agent_id).sessions(agent_id))
+                    if s["id"] in session_ids and s["state"] in LIVE_SANDBOX)
+            return not live
+        try:
+            await eventually(over, deadline_s, broken)
+        except AssertionError:
+            raise AssertionError(f"{broken} after {deadline_s:.0f} s: {live}") from None
+
     async def all_working(self, agents: list[AgentRef] | None = None,
                           deadline_s: float = 120) -> dict[str, dict[str, Any]]:
         """Every one of these agents has a task in progress; returns every task read."""
