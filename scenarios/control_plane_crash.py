@@ -1,8 +1,8 @@
-"""Game day: the control plane is SIGKILLed in a fleet kill, just before the kill commits
-(frozen with its request in hand) or just after, then started again. Its daemons fail closed
-at once: none acts after the plane's death, each exits 3 saying why. Once back, no session of
-its previous life runs; a committed stop held (one never committed is pulled again); nothing
-of the sandboxes is left, the work is open again and fleet resume gets it done exactly once.
+"""Game day: the control plane is SIGKILLed just before a fleet kill commits (frozen with its
+request in hand) or just after, and started again. Its daemons fail closed at once: none acts
+after its death, each exits 3 saying why. Once back, no session of its previous life runs; a
+committed stop held (else it is pulled again); nothing of the sandboxes is left, the work is
+open again and fleet resume gets it done exactly once.
 
     pytest scenarios/control_plane_crash.py [--stack containers|processes]
 """
@@ -21,7 +21,7 @@ from harness.record.gameday import GameDay
 ACT_SLACK_S = 1.0  # a daemon noticing that its channel is gone, on a loaded 2-core machine
 HOLD_S = 0.3  # the kill's request on its way to the frozen plane: well within the lease
 SETTLED_S = 10.0  # from the restart's answer: a few containers' removal on a loaded machine
-MARGIN_S = 3.0  # past the lease, for the previous life's sessions: the sweep takes 15 s
+MARGIN_S = 3.0  # past the lease, for the previous life's sessions (the sweep: 15 s)
 
 
 # Not kill_obeyed: the daemons stop as their channel dies, before any kill can reach them.
@@ -43,9 +43,10 @@ async def test_control_plane_killed_mid_fleet_kill(gameday: GameDay, agents_per_
 
     async def committed() -> bool:
         return bool(json_of(await auditor.fleet())["fleet_killed"])
-    if crash == "before_commit":
+    if crash == "before_commit":  # what is in progress, read before the plane is frozen
+        await day.read_tasks()
         await plane.pause(HOLD_S + 30)  # ends with the kill below
-    pulling = asyncio.create_task(security.kill_fleet())
+    pulling = asyncio.create_task(security.kill_fleet(read_first=crash == "after_commit"))
     if crash == "before_commit":
         done, _ = await asyncio.wait({pulling}, timeout=HOLD_S)  # nothing can answer here
         rule(not done, f"a frozen control plane answered a fleet kill: {pulling}")
@@ -69,7 +70,6 @@ async def test_control_plane_killed_mid_fleet_kill(gameday: GameDay, agents_per_
         rule(again.status_code == 200, f"the fleet kill pulled again failed: {again.text}")
     await day.until.nothing_left_of(agents, SETTLED_S)
     await day.until.all_sandboxes_gone(agents, SETTLED_S)  # and their rows say so
-
     async def requeued() -> bool:
         return all(t["state"] != "in_progress" for t in (await day.read_tasks()).values())
     await day.until.condition(requeued, 90, "tasks in progress at the crash were never "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -188,6 +189,8 @@ class Expect:
             return exits is not None and all(e.code is not None for e in exits.values())
         with contextlib.suppress(AssertionError):  # the rule below says what is missing
             await eventually(all_exited, deadline_s, "daemons exited")
+        seen = Counter(f"{e.code} ({e.why[:100]})" for e in (exits or {}).values())
+        self.day.notes.append(f"the daemons' exits: {dict(seen)}")
         wrong = {s[:8]: (e.code, e.why[:120]) for s, e in (exits or {}).items()
                  if e.code != 3 or not any(w in e.why for w in WHYS_OF_A_SWITCH)}
         rule(not wrong, f"daemons that lost their control plane did not fail closed (exit 3, "

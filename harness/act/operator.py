@@ -73,9 +73,11 @@ class Operator:
         return await self.day.operate(self.role, "resume_agent", {"agent_id": a},
                                       lambda: self.client.resume_agent(a))
 
-    async def kill_fleet(self) -> httpx.Response:
-        return await self._around_a_kill(self.day.operate(self.role, "kill_fleet", {},
-                                                          self.client.kill_fleet))
+    async def kill_fleet(self, read_first: bool = True) -> httpx.Response:
+        """`read_first=False`: the scenario has read the tasks itself, right before (a plane
+        it froze to hold the kill would hold that read, for up to READ_BEFORE_KILL_S)."""
+        kill = self.day.operate(self.role, "kill_fleet", {}, self.client.kill_fleet)
+        return await (self._around_a_kill(kill) if read_first else kill)
 
     async def resume_fleet(self) -> httpx.Response:
         return await self.day.operate(self.role, "resume_fleet", {}, self.client.resume_fleet)
