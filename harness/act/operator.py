@@ -188,7 +188,7 @@ class Until:
             for agent_id in ids:
                 live.extend(s["id"] for s in json_of(
                     await self.day.reader(agent_id).sessions(agent_id))
-                    if s["id"] in session_ids and s["state"] in LIVE_SANDBOX)
+                    if s["id"] in session_ids and s["state"] in ("starting", "running"))
             return not live
         try:
             await eventually(over, deadline_s, broken)
