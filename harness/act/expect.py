@@ -9,6 +9,8 @@ state at the moment the rule applies (what a kill answered, what runs while a st
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,6 +19,7 @@ import httpx
 
 from harness.act.client import json_of
 from harness.stack.isolation import strangers_stopped
+from harness.stack.waiting import eventually
 
 if TYPE_CHECKING:
     from harness.act.operator import Operator
@@ -24,6 +27,9 @@ if TYPE_CHECKING:
 
 STOPPED = {"error": "Agent or fleet is stopped", "hint": "resume it first."}
 LIVE = ("starting", "running")
+# What a daemon stopped by a switch says in its exit line (covey.coveyd): it obeyed a kill, or
+# it failed closed (its lease lapsed, its channel gone).
+WHYS_OF_A_SWITCH = ("obeyed a kill message", "failing closed")
 
 
 class RuleBroken(AssertionError):
@@ -154,6 +160,41 @@ class Expect:
             if calls:
                 late[a["id"]] = len(calls)
         rule(not late, f"{broken} ({late})")
+
+    async def failed_closed(self, agents: Iterable[dict[str, Any]], sandbox_ids: list[str],
+                            died_ns: int, slack_s: float, deadline_s: float = 30) -> None:
+        """The daemons of these sandboxes lost their control plane at `died_ns` and failed
+        closed (DESIGN §2.4): none sent its model a request more than `slack_s` later (the
+        puppet's ledger, by the daemon's own send stamp), and each exited 3 saying why in its
+        last log line (failing closed, or obeying a kill that reached it before the plane
+        died), read on this machine where the stack allows. The figure: the last
+        request's send after the death, in ms (`last_request_after_plane_died_ms`)."""
+        calls = [(e.sent_ns or e.at_ns) - died_ns for a in agents
+                 for e in await self.day.endpoints.puppet.actions(a["id"])]
+        after = [ns for ns in calls if ns > 0]
+        self.day.measurements["last_request_after_plane_died_ms"] = round(
+            max(after, default=0) / 1e6, 1)
+        late = [round(ns / 1e6) for ns in after if ns > slack_s * 1e9]
+        rule(not late, f"daemons kept calling their model after their control plane died "
+             f"(ms after its death: {late}), more than {slack_s} s: they did not fail closed")
+        exits = await self.day.daemon_exits(sandbox_ids)
+        if exits is None:
+            self.day.notes.append(f"the {self.day.stack} stack's daemon exits are not on this "
+                                  "machine: exit codes not checked")
+            return
+
+        async def all_exited() -> bool:
+            nonlocal exits
+            exits = await self.day.daemon_exits(sandbox_ids)
+            return exits is not None and all(e.code is not None for e in exits.values())
+        with contextlib.suppress(AssertionError):  # the rule below says what is missing
+            await eventually(all_exited, deadline_s, "daemons exited")
+        seen = Counter(f"{e.code} ({e.why[:100]})" for e in (exits or {}).values())
+        self.day.notes.append(f"the daemons' exits: {dict(seen)}")
+        wrong = {s[:8]: (e.code, e.why[:120]) for s, e in (exits or {}).items()
+                 if e.code != 3 or not any(w in e.why for w in WHYS_OF_A_SWITCH)}
+        rule(not wrong, f"daemons that lost their control plane did not fail closed (exit 3, "
+             f"saying why): {wrong}")
 
     async def nothing_in_progress(self, after: str) -> None:
         """No task of the game day is in progress any more."""

@@ -73,9 +73,11 @@ class Operator:
         return await self.day.operate(self.role, "resume_agent", {"agent_id": a},
                                       lambda: self.client.resume_agent(a))
 
-    async def kill_fleet(self) -> httpx.Response:
-        return await self._around_a_kill(self.day.operate(self.role, "kill_fleet", {},
-                                                          self.client.kill_fleet))
+    async def kill_fleet(self, read_first: bool = True) -> httpx.Response:
+        """`read_first=False`: the scenario has read the tasks itself, right before (a plane
+        it froze to hold the kill would hold that read, for up to READ_BEFORE_KILL_S)."""
+        kill = self.day.operate(self.role, "kill_fleet", {}, self.client.kill_fleet)
+        return await (self._around_a_kill(kill) if read_first else kill)
 
     async def resume_fleet(self) -> httpx.Response:
         return await self.day.operate(self.role, "resume_fleet", {}, self.client.resume_fleet)
@@ -173,6 +175,25 @@ class Until:
         finally:
             for agent_id in ids:
                 await self.day.remains(agent_id)
+
+    async def sessions_over(self, agents: list[AgentRef], session_ids: set[str],
+                            deadline_s: float, broken: str) -> None:
+        """None of these sessions of these agents is starting or running any more, as the
+        control plane says; `broken` says which rule one still live breaks."""
+        ids = self._agents(agents)
+        live: list[str] = []
+
+        async def over() -> bool:
+            live.clear()
+            for agent_id in ids:
+                live.extend(s["id"] for s in json_of(
+                    await self.day.reader(agent_id).sessions(agent_id))
+                    if s["id"] in session_ids and s["state"] in ("starting", "running"))
+            return not live
+        try:
+            await eventually(over, deadline_s, broken)
+        except AssertionError:
+            raise AssertionError(f"{broken} after {deadline_s:.0f} s: {live}") from None
 
     async def all_working(self, agents: list[AgentRef] | None = None,
                           deadline_s: float = 120) -> dict[str, dict[str, Any]]:

@@ -45,7 +45,7 @@ from harness.judge.switch_checkers import LEASE_F, SANDBOX_F
 from harness.judge.time_to_stop import TimeToStop, summarize, time_to_stop
 from harness.judge.verdicts import broken_rules
 from harness.record.history import History
-from harness.record.remains import remains_of
+from harness.record.remains import DaemonExit, daemon_exits, remains_of
 from harness.run.rollback import roll_back_loudly
 from harness.run.steady import prepare
 from harness.stack.base import Endpoints
@@ -415,6 +415,22 @@ class GameDay:
     async def sandboxes(self, agent_id: str) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = json_of(await self.reader(agent_id).sandboxes(agent_id))
         return rows
+
+    async def live_sessions(self, agents: list[dict[str, Any]]) -> dict[str, str]:
+        """The sessions of these agents that are starting or running now, each with its
+        sandbox (session id: sandbox id), as the control plane says."""
+        live = {}
+        for a in agents:
+            for s in json_of(await self.reader(a["id"]).sessions(a["id"])):
+                if s["state"] in ("starting", "running"):
+                    live[s["id"]] = s["sandbox_id"]
+        return live
+
+    async def daemon_exits(self, sandbox_ids: list[str]) -> dict[str, DaemonExit] | None:
+        """How these sandboxes' daemons ended, read on this machine (harness/record/remains.py)
+        rather than asked of the control plane; None where the stack's sandboxes are not here."""
+        return await asyncio.to_thread(daemon_exits, self.stack, sandbox_ids,
+                                       self.endpoints.data_dir)
 
     async def copy_ledger(self) -> None:
         """The puppet model's ledger into the history: each request an agent made is an
