@@ -229,8 +229,10 @@ class Until:
     async def fault_healed(self, fault: FaultRecord, deadline_s: float, what: str
                            ) -> FaultRecord:
         """The nemesis healed this fault (at its deadline, or earlier); returns the healed
-        record, with when it healed."""
+        record, with when it healed. A proxy in a container heals on its own deadline
+        there: its log is read each time."""
         async def healed() -> FaultRecord | None:
+            await self.day.endpoints.nemesis.refresh()
             return next((r for r in self.day.endpoints.nemesis.faults()
                          if r.id == fault.id and r.healed), None)
         record: FaultRecord = await eventually(healed, deadline_s, f"{what} never healed")
