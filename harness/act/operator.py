@@ -22,6 +22,7 @@ from harness.stack.waiting import eventually
 
 if TYPE_CHECKING:
     from harness.act.client import CoveyClient
+    from harness.act.puppet import LedgerEntry
     from harness.nemesis import FaultRecord
     from harness.record.gameday import GameDay
 
@@ -305,3 +306,60 @@ class Until:
             stopped, deadline_s, f"the guard's {layer} layer never stopped agent {agent_id}",
             impossible=otherwise)
         return found
+
+    async def steady_work(self, agents: list[dict[str, Any]], deadline_s: float = 120
+                          ) -> dict[str, Any]:
+        """The fleet at work: every one of these agents whose behaviour never finishes on its
+        own holds a task in progress, and work is seen moving (a task done) when a
+        well-behaved one is among them. Returns the steady state, for the journal."""
+        async def steady() -> dict[str, Any] | None:
+            tasks = await self.day.read_tasks()
+            held = {t["agent_id"] for t in tasks.values() if t["state"] == "in_progress"}
+            done = sum(t["state"] == "done" for t in tasks.values())
+            if all(a["id"] in held for a in agents if a["behaviour"] != "well_behaved") and (
+                    done or all(a["behaviour"] != "well_behaved" for a in agents)):
+                return {"tasks_in_progress": len(held), "tasks_done": done,
+                        "agents": len(agents)}
+            return None
+        found: dict[str, Any] = await eventually(
+            steady, deadline_s, "no steady state: agents not working",
+            impossible=self.day.why_work_cannot_finish)
+        return found
+
+    async def tool_calls(self, agent: AgentRef, tool: str, containing: str, at_least: int,
+                         deadline_s: float, message: str) -> list[LedgerEntry]:
+        """The agent's model (the puppet's ledger, outside the system under test) asked for
+        `tool` with `containing` in its command at least `at_least` times; returns those
+        calls. `message` says what never happened."""
+        agent_id = _id(agent)
+
+        async def called() -> list[LedgerEntry] | None:
+            calls = [e for e in await self.day.endpoints.puppet.actions(agent_id)
+                     if e.tool == tool and containing in e.args.get("cmd", "")]
+            return calls if len(calls) >= at_least else None
+        found: list[LedgerEntry] = await eventually(called, deadline_s, message)
+        return found
+
+    async def sessions_held(self, agents: list[AgentRef],
+                            holds: Callable[[dict[str, Any]], bool], at: str,
+                            deadline_s: float, message: str) -> None:
+        """Every one of these agents has a running session, each held as `holds` says (a
+        replica's `Replica.holds`), read from the control plane at `at` (a replica's URL)."""
+        auditor = self.day.as_("auditor", at=at).client
+        ids = self._agents(agents)
+
+        async def held() -> bool:
+            for agent_id in ids:
+                live = [s for s in json_of(await auditor.sessions(agent_id))
+                        if s["state"] == "running"]
+                if not live or not all(holds(s) for s in live):
+                    return False
+            return True
+        await eventually(held, deadline_s, message)
+
+    async def healthy_at(self, url: str, deadline_s: float, message: str) -> None:
+        """The control plane at `url` (another replica) answers its /healthz with 200."""
+        async def answers() -> bool:
+            return (await self.day.people["auditor"].http.get(f"{url}/healthz")
+                    ).status_code == 200
+        await eventually(answers, deadline_s, message)
