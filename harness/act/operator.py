@@ -241,9 +241,7 @@ class Until:
 
     async def healthy(self, deadline_s: float, message: str) -> None:
         """The control plane answers its /healthz with 200 (it reached its database)."""
-        async def answers() -> bool:
-            return (await self.day.people["auditor"].http.get("/healthz")).status_code == 200
-        await eventually(answers, deadline_s, message)
+        await self.healthy_at(self.day.endpoints.url, deadline_s, message)
 
     async def all_tasks_done_of(self, agents: list[AgentRef]) -> bool:
         """One look (not a wait): is every task of these agents done?"""
