@@ -105,7 +105,30 @@ async def start_plane(database_url: str, data_dir: Path, daemon_command: list[st
                     database_url, data_dir, app)
     finally:
         server.should_exit = True
-        await asyncio.wait_for(serving, 30)
+        try:
+            await asyncio.wait_for(asyncio.shield(serving), 30)
+        except TimeoutError:
+            # Once seen under CI load, and not since: say what the plane was still waiting
+            # on (uvicorn waits for every open connection's handler), then stop it anyway.
+            stuck = _stacks_of_pending_tasks()
+            server.force_exit = True
+            serving.cancel()
+            raise TimeoutError(f"the control plane did not stop within 30 s; "
+                               f"{len(server.server_state.connections)} connection(s) "
+                               f"open; its pending tasks:\n{stuck}") from None
+
+
+def _stacks_of_pending_tasks(limit: int = 40) -> str:
+    """Where each of this loop's pending tasks waits, one line per frame (at most `limit`
+    tasks), to say what a stop that hung was waiting on."""
+    import io
+
+    lines = []
+    for task in list(asyncio.all_tasks())[:limit]:
+        out = io.StringIO()
+        task.print_stack(limit=6, file=out)
+        lines.append(out.getvalue())
+    return "\n".join(lines)
 
 
 async def _started(server: uvicorn.Server, serving: asyncio.Task[None]) -> bool:
