@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 import platform
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,9 +20,11 @@ import httpx
 from faker import Faker
 
 from harness.act.client import CoveyClient, json_of
+from harness.act.dialect import dialect, sign_in
 from harness.act.expect import Expect
 from harness.act.operator import Operator, Until
 from harness.act.puppet import Behaviour, behaviour_name, resolve
+from harness.act.upstream import MockDirectives
 from harness.judge.bounds import BOUND_PREFIX, Figure, bounded_figures
 from harness.judge.checkers import (
     CHECKERS,
@@ -166,24 +168,33 @@ class GameDay:
     journal_sections: dict[str, Any] = field(default_factory=dict)
     journal_path: Path | None = None
     aborted_reason: str | None = None  # why the game day broke off, for its journal
+    preparing: str = "not started"  # the step of its preparation under way, for a refusal
     started_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
     scenario: str = ""  # the pytest node id: what the replay command runs
     fake: Faker = field(init=False)
 
     def __post_init__(self) -> None:
-        # A bounded figure must be judged: unknown fails the game day like a `decides`.
-        self.required = frozenset(self.required) | {BOUND_PREFIX + n for n in self.bounds}
+        # A bounded figure must be judged: unknown fails the game day like a `decides`. A
+        # checker whose evidence the dialect's server does not expose cannot be required.
+        self.required = (frozenset(self.required) - set(self.lacks)) | {
+            BOUND_PREFIX + n for n in self.bounds}
         self.fake = Faker()
         self.fake.seed_instance(self.seed)
 
     # ------------------------------------------------------------------ people and agents
 
+    async def sign_in(self, email: str, password: str) -> CoveyClient:
+        """A human of the deployment, signed in as its dialect signs people in (an API
+        token here, a cookie session on upstream covey)."""
+        directives = self.endpoints.puppet
+        return await sign_in(self.endpoints.dialect, self.endpoints.url, email, password,
+                             directives if isinstance(directives, MockDirectives) else None)
+
     async def enlist(self) -> None:
         """The org admin from the stack, and one human per other role, made up from the
         seed (a failing game day replays with the same names)."""
         e = self.endpoints
-        self.people["org_admin"] = await CoveyClient.signed_in(e.url, e.admin_email,
-                                                               e.admin_password)
+        self.people["org_admin"] = await self.sign_in(e.admin_email, e.admin_password)
         for role in ROLES:
             # The run in the address: emails are unique across organisations, and a replay
             # with the same seed must not sign in as an earlier game day's people.
@@ -191,7 +202,7 @@ class GameDay:
                      f"@{self.fake.domain_word()}.test")
             password = self.fake.password(length=16)
             json_of(await self.people["org_admin"].add_member(email, password, role), 201)
-            self.people[role] = await CoveyClient.signed_in(e.url, email, password)
+            self.people[role] = await self.sign_in(email, password)
 
     async def platform_admin(self) -> Operator:
         """The stack's platform admin (who holds the global kill flag) as one of the game
@@ -201,8 +212,8 @@ class GameDay:
             if not (e.platform_email and e.platform_password):
                 raise LookupError(f"the {self.stack} stack has no platform admin: give "
                                   f"--target-platform-email and --target-platform-password")
-            self.people["platform_admin"] = await CoveyClient.signed_in(
-                e.url, e.platform_email, e.platform_password)
+            self.people["platform_admin"] = await self.sign_in(e.platform_email,
+                                                               e.platform_password)
         return self.as_("platform_admin")
 
     async def organisation_beside(self, name: str = "beside") -> str:
@@ -214,8 +225,7 @@ class GameDay:
         password = self.fake.password(length=16)
         org = json_of(await platform.create_org(f"{self.name} {name} run {self.run_id}"[:100],
                                                 email, password), 201)
-        self.admins_beside[str(org["id"])] = await CoveyClient.signed_in(
-            self.endpoints.url, email, password)
+        self.admins_beside[str(org["id"])] = await self.sign_in(email, password)
         return str(org["id"])
 
     def reader(self, agent_id: str) -> CoveyClient:
@@ -276,6 +286,20 @@ class GameDay:
         if client is None:
             client = self._people_at[(role, at)] = CoveyClient(at, self.people[role].token)
         return Operator(self, role, client)
+
+    @property
+    def lacks(self) -> Mapping[str, str]:
+        """The checkers this game day cannot judge on its server's dialect, with what is
+        missing."""
+        return dialect(self.endpoints.dialect).lacks
+
+    def unjudgeable(self, verdicts: list[Verdict]) -> list[Verdict]:
+        """The verdicts, those of checkers the dialect lacks evidence for made `unknown`
+        with what is missing: judged on no evidence, a checker would pass vacuously."""
+        lacks = self.lacks
+        return [Verdict(v.checker, "unknown", f"Not judgeable against {self.endpoints.dialect} "
+                        f"covey: {lacks[v.checker]}.") if v.checker in lacks else v
+                for v in verdicts]
 
     @property
     def until(self) -> Until:
@@ -395,7 +419,8 @@ class GameDay:
         """What of the agent's sandboxes still exists on this machine, looked at directly
         (harness/record/remains.py), recorded as a `sandbox_remains` observation; None where the
         stack's sandboxes are not on this machine."""
-        found = await asyncio.to_thread(remains_of, self.stack, agent_id)
+        found = await asyncio.to_thread(remains_of, self.stack, agent_id,
+                                        self.endpoints.dialect)
         if record and found is not None:
             self.history.observe(OBSERVER, SANDBOX_REMAINS_F,
                                  {"agent_id": agent_id, "remains": found})
@@ -495,6 +520,7 @@ class GameDay:
             "started_at": self.started_at,
             "ended_at": datetime.now(UTC).isoformat(),
             "stack": self.stack,
+            "dialect": self.endpoints.dialect,
             "seed": self.seed,
             "versions": {**self.endpoints.versions, "platform": platform.platform()},
             "agents": [{"id": a["id"], "slug": a["slug"], "behaviour": a["behaviour"]}
@@ -551,7 +577,7 @@ class GameDay:
         checker that raises is `unknown` with its error; the other verdicts stand."""
         phases.info("judging the history")
         final = await self.collect()
-        self.verdicts = judge_all(self.checkers, self.history, final)
+        self.verdicts = self.unjudgeable(judge_all(self.checkers, self.history, final))
         for name, measure in self.measures.items():
             self.measurements[name] = measure(self.history, final)
         self.figures = bounded_figures(self.bounds, self.history, final)

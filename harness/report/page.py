@@ -144,8 +144,10 @@ def render_page(journal: dict[str, Any], history: History,
 def replay_command(journal: dict[str, Any]) -> str:
     """The command that replays this game day: the same scenario, stack, seed and agents."""
     scenario = journal.get("scenario") or f"scenarios -k {journal['game_day']}"
+    dialect = journal.get("dialect", "covey-gameday")
     return (f"pytest {scenario} --stack {journal['stack']} --seed {journal['seed']} "
-            f"--agents {len(journal['agents'])}")
+            f"--agents {len(journal['agents'])}"
+            + (f" --dialect {dialect}" if dialect != "covey-gameday" else ""))
 
 
 def agent_lanes(journal: dict[str, Any]) -> dict[str, str]:

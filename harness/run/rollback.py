@@ -79,8 +79,7 @@ async def _admin(day: GameDay) -> CoveyClient | None:
         return client
     if day.organisation is None:
         return None
-    return await CoveyClient.signed_in(day.endpoints.url, day.organisation.admin_email,
-                                       day.organisation.admin_password)
+    return await day.sign_in(day.organisation.admin_email, day.organisation.admin_password)
 
 
 async def _heal_faults(day: GameDay, report: RollbackReport) -> None:
