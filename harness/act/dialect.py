@@ -86,12 +86,13 @@ def recognise(response: httpx.Response) -> tuple[str, dict[str, Any]]:
         f"(covey-gameday) or a plain `ok` (upstream covey): is this a covey control plane?")
 
 
-async def detect(url: str, asked: str = AUTO, timeout_s: float = 10) -> Spoken:
+async def detect(url: str, asked: str = AUTO, timeout_s: float = 10,
+                 transport: httpx.AsyncBaseTransport | None = None) -> Spoken:
     """The dialect of the server at `url`: read from its /healthz, and checked against the
     one `asked` for unless that is `auto`."""
     if asked != AUTO:
         dialect(asked)  # a misspelt dialect fails before any request
-    async with httpx.AsyncClient(timeout=timeout_s) as http:
+    async with httpx.AsyncClient(timeout=timeout_s, transport=transport) as http:
         try:
             response = await http.get(f"{url.rstrip('/')}/healthz")
         except httpx.HTTPError as exc:

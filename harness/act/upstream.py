@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,22 +97,27 @@ class UpstreamClient(CoveyClient):
     dialect = "upstream"
 
     def __init__(self, base_url: str, token: str | None = None, timeout: float = 30,
+                 transport: httpx.AsyncBaseTransport | None = None,
                  directives: MockDirectives | None = None) -> None:
-        super().__init__(base_url, None, timeout)
+        super().__init__(base_url, None, timeout, transport)
         self.directives = directives or MockDirectives()
         # Docker's events are read from a little before this human existed: the game day's
         # agents are all younger.
         self.since_s = time.time() - 5
+        self.read_sandboxes: Callable[[str, float], list[dict[str, Any]]] = sandbox_lives
 
     @classmethod
-    async def signed_in(cls, base_url: str, email: str, password: str) -> CoveyClient:
-        return await cls.signed_in_upstream(base_url, email, password)
+    async def signed_in(cls, base_url: str, email: str, password: str,
+                        transport: httpx.AsyncBaseTransport | None = None) -> CoveyClient:
+        return await cls.signed_in_upstream(base_url, email, password, transport=transport)
 
     @classmethod
     async def signed_in_upstream(cls, base_url: str, email: str, password: str,
-                                 directives: MockDirectives | None = None) -> UpstreamClient:
+                                 directives: MockDirectives | None = None,
+                                 transport: httpx.AsyncBaseTransport | None = None
+                                 ) -> UpstreamClient:
         """Signed in with a cookie session (upstream has no API tokens)."""
-        client = cls(base_url, directives=directives)
+        client = cls(base_url, transport=transport, directives=directives)
         try:
             json_of(await client.http.post("/api/v1/auth/login",
                                            json={"email": email, "password": password}))
@@ -198,7 +204,7 @@ class UpstreamClient(CoveyClient):
         return answer(200, {**found, "transitions": moves.json()}, moves.request)
 
     async def sandboxes(self, agent_id: str) -> httpx.Response:
-        rows = await asyncio.to_thread(sandbox_lives, agent_id, self.since_s)
+        rows = await asyncio.to_thread(self.read_sandboxes, agent_id, self.since_s)
         request = self.http.build_request("GET", f"docker-events://covey-sandbox-{agent_id}")
         return answer(200, rows, request)
 
@@ -206,7 +212,8 @@ class UpstreamClient(CoveyClient):
         """Upstream has no sessions: each sandbox container's life stands for one (started
         when it started, ended when it died), with no task and no kill record."""
         boxes = await self.sandboxes(agent_id)
-        rows = [{"id": b["id"], "state": "running" if b["state"] == "running" else "ended",
+        rows = [{"id": b["id"], "sandbox_id": b["id"],
+                 "state": "running" if b["state"] == "running" else "ended",
                  "started_at": b["started_at"], "ended_at": b["gone_at"], "task_id": None,
                  "stop_layer": None, "node": "",
                  "stop_reason": None if b["exit_code"] is None
