@@ -29,6 +29,10 @@ UPSTREAM = "upstream"
 DIALECTS = (COVEY_GAMEDAY, UPSTREAM)
 
 
+# How this project refuses a wake path while a stop stands (DESIGN §2.3 line 3).
+STOPPED = {"error": "Agent or fleet is stopped", "hint": "resume it first."}
+
+
 @dataclass(frozen=True)
 class Dialect:
     name: str
@@ -36,11 +40,23 @@ class Dialect:
     # The checkers whose evidence this dialect's server does not expose, each with what is
     # missing: they say `unknown` with that sentence, and no game day requires them there.
     lacks: Mapping[str, str] = field(default_factory=dict)
+    # Whether a switch's answer reports what it did (agents stopped, tasks requeued, sessions
+    # cancelled, agents woken); where it does not, the harness reads that back instead.
+    reports: bool = True
+    # What each wake path answers while a stop stands: status and body. DESIGN §2.3 line 3
+    # asks 409 of the heartbeat fire and the trigger; of the manual wake only that it starts
+    # nothing (judged from the sandboxes, not from its status).
+    refusals: Mapping[str, tuple[int, dict[str, Any]]] = field(default_factory=lambda: {
+        "fire_heartbeat": (409, STOPPED), "trigger": (409, STOPPED), "wake": (409, STOPPED)})
+    notifications: bool = True  # org admins and controlling are notified of a fleet stop
 
 
 REGISTRY: dict[str, Dialect] = {
     COVEY_GAMEDAY: Dialect(COVEY_GAMEDAY, CoveyClient),
-    UPSTREAM: Dialect(UPSTREAM, UpstreamClient, UPSTREAM_LACKS),
+    UPSTREAM: Dialect(UPSTREAM, UpstreamClient, UPSTREAM_LACKS, reports=False, refusals={
+        "fire_heartbeat": (409, {"error": "Agent or fleet is stopped — resume it first."}),
+        "trigger": (409, {"error": "agent is stopped"}),
+        "wake": (200, {"ok": True})}, notifications=False),
 }
 
 

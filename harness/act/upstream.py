@@ -33,7 +33,7 @@ from harness.act.puppet import Behaviour, LedgerEntry, behaviour_name
 from harness.record.sandbox_events import sandbox_lives
 
 # Upstream's mock engine: a task that works for a while, then finishes; or one that finishes.
-WORK_S = 30
+WORK_S = 45
 WELL_BEHAVED = "well_behaved"
 QUICK_BODY = "[mock:result done]"
 MOCK_DIRECTIVE = re.compile(r"\[mock:")

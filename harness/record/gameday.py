@@ -42,7 +42,7 @@ from harness.judge.checkers import (
     judge_all,
 )
 from harness.judge.costs import Measure
-from harness.judge.switch_checkers import LEASE_F, SANDBOX_F
+from harness.judge.switch_checkers import LEASE_F, SANDBOX_F, WAKE_REFUSALS_F
 from harness.judge.time_to_stop import TimeToStop, summarize, time_to_stop
 from harness.judge.verdicts import broken_rules
 from harness.record.history import History
@@ -346,6 +346,10 @@ class GameDay:
         result: dict[str, Any] = {"status": r.status_code, "body": body}
         if f == "wake" and isinstance(body, dict) and "outcome" in body:
             result["outcome"] = body["outcome"]  # a busy agent's wake started nothing
+        elif f == "wake" and not dialect(self.endpoints.dialect).reports:
+            # Upstream's wake answers {"ok":true} whether or not it started anything: what
+            # started is read from its sandboxes (session_start), not from this answer.
+            result["outcome"] = "unreported"
         self.history.complete(invoke, outcome, result)
         return r
 
@@ -563,6 +567,10 @@ class GameDay:
         if self.endpoints.lease_ms is not None:
             self.history.observe(OBSERVER, LEASE_F, {"lease_ms": self.endpoints.lease_ms})
         self.copy_faults()
+        refusals = dialect(self.endpoints.dialect).refusals
+        self.history.observe(OBSERVER, WAKE_REFUSALS_F, {
+            "dialect": self.endpoints.dialect,
+            "statuses": {path: status for path, (status, _) in refusals.items()}})
         await self.copy_ledger()
         await self.copy_sandboxes_and_sessions()
         return await self.final_state()

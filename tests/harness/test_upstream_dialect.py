@@ -22,7 +22,7 @@ from harness.act.dialect import (
     dialect,
     recognise,
 )
-from harness.act.upstream import MockDirectives, UpstreamClient
+from harness.act.upstream import WORK_S, MockDirectives, UpstreamClient
 from harness.judge.checkers import Verdict
 from harness.judge.verdicts import KNOWN_CHECKERS, broken_rules
 from harness.record.gameday import GameDay
@@ -153,7 +153,7 @@ async def test_tasks_carry_the_mock_engines_directives_for_the_agents_behaviour(
     directives = MockDirectives()
     await directives.assign("a", "silent")
     await directives.assign("b", "well_behaved")
-    assert directives.body("a") == "[mock:sleep 30s]\n[mock:result worked 30s]"
+    assert directives.body("a") == f"[mock:sleep {WORK_S}s]\n[mock:result worked {WORK_S}s]"
     assert directives.body("b") == "[mock:result done]"
     assert directives.body("a", "[mock:fail no]") == "[mock:fail no]"
     replay = Replay()
