@@ -44,7 +44,7 @@ from harness.judge.checkers import (
 from harness.judge.costs import Measure
 from harness.judge.switch_checkers import LEASE_F, SANDBOX_F, WAKE_REFUSALS_F
 from harness.judge.time_to_stop import TimeToStop, summarize, time_to_stop
-from harness.judge.verdicts import broken_rules
+from harness.judge.verdicts import NOT_JUDGEABLE, broken_rules
 from harness.record.history import History
 from harness.record.remains import remains_of
 from harness.run.rollback import roll_back_loudly
@@ -297,7 +297,7 @@ class GameDay:
         """The verdicts, those of checkers the dialect lacks evidence for made `unknown`
         with what is missing: judged on no evidence, a checker would pass vacuously."""
         lacks = self.lacks
-        return [Verdict(v.checker, "unknown", f"Not judgeable against {self.endpoints.dialect} "
+        return [Verdict(v.checker, "unknown", f"{NOT_JUDGEABLE} {self.endpoints.dialect} "
                         f"covey: {lacks[v.checker]}.") if v.checker in lacks else v
                 for v in verdicts]
 
