@@ -52,6 +52,13 @@ UPSTREAM_LACKS: dict[str, str] = {
     "home_is_last_sync": "upstream's agent homes are not readable from the harness",
     "stopped_tool_not_run": "upstream has no tool flag and its mock engine calls no tools",
     "no_blind_restart_after_trip": "upstream's guard trips are not in its API",
+    # The bounded figures read from the puppet's ledger (harness/judge/bounds.py).
+    **{f"within_bound:{figure}": (
+        "the figure is read from the puppet's ledger of model requests, and upstream's mock "
+        "engine sends none") for figure in ("actions_after_request", "deletions_after_request",
+                                            "request_to_last_action_ms", "spend_beyond_cap_usd")},
+    "within_bound:files_lost_beyond_last_sync": (
+        "upstream's agent homes are not readable from the harness"),
 }
 
 

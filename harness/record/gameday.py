@@ -176,8 +176,8 @@ class GameDay:
     def __post_init__(self) -> None:
         # A bounded figure must be judged: unknown fails the game day like a `decides`. A
         # checker whose evidence the dialect's server does not expose cannot be required.
-        self.required = (frozenset(self.required) - set(self.lacks)) | {
-            BOUND_PREFIX + n for n in self.bounds}
+        self.required = (frozenset(self.required) | {
+            BOUND_PREFIX + n for n in self.bounds}) - set(self.lacks)
         self.fake = Faker()
         self.fake.seed_instance(self.seed)
 
@@ -589,7 +589,7 @@ class GameDay:
         for name, measure in self.measures.items():
             self.measurements[name] = measure(self.history, final)
         self.figures = bounded_figures(self.bounds, self.history, final)
-        self.verdicts += [f.verdict() for f in self.figures]
+        self.verdicts += self.unjudgeable([f.verdict() for f in self.figures])
         if self.figures:
             self.measurements["bounded"] = {f.name: f.to_json() for f in self.figures}
         return self.verdicts, time_to_stop(self.history, final), final

@@ -23,6 +23,7 @@ from harness.act.dialect import (
     recognise,
 )
 from harness.act.upstream import WORK_S, MockDirectives, UpstreamClient
+from harness.judge.bounds import KNOWN_BOUNDS
 from harness.judge.checkers import Verdict
 from harness.judge.verdicts import KNOWN_CHECKERS, broken_rules
 from harness.record.gameday import GameDay
@@ -233,7 +234,7 @@ def game_day_on(dialect_name: str, required: frozenset[str], tmp_path: Path) -> 
 def test_checkers_upstream_lacks_evidence_for_say_unknown_and_are_not_required(
         tmp_path: Path) -> None:
     lacks = dialect(UPSTREAM).lacks
-    assert set(lacks) <= KNOWN_CHECKERS, "a lacking checker's name is no checker"
+    assert set(lacks) <= KNOWN_CHECKERS | KNOWN_BOUNDS, "a lacking checker's name is no checker"
     day = game_day_on(UPSTREAM, frozenset({"kill_obeyed", "no_wake_of_stopped_agent"}),
                       tmp_path)
     assert day.required == {"no_wake_of_stopped_agent"}
@@ -242,6 +243,9 @@ def test_checkers_upstream_lacks_evidence_for_say_unknown_and_are_not_required(
     assert verdicts[0].valid == "unknown" and "no kill delivery" in verdicts[0].message
     assert verdicts[1].valid is True
     assert broken_rules(verdicts, day.required) == []
+    bounded = GameDay(name="g", stack="target", endpoints=day.endpoints, seed=1,
+                      report_dir=tmp_path, bounds={"actions_after_request": 3})
+    assert bounded.required == frozenset(), "a figure read from the ledger is required"
     own = game_day_on(COVEY_GAMEDAY, frozenset({"kill_obeyed"}), tmp_path)
     assert own.required == {"kill_obeyed"}
     assert own.unjudgeable([Verdict("kill_obeyed", True, "held")])[0].valid is True
