@@ -61,7 +61,7 @@ class Expect:
     def __init__(self, day: GameDay) -> None:
         self.day = day
         self.auditor = day.people["auditor"]
-        self.dialect = dialect(day.endpoints.dialect)
+        self.dialect = dialect(day.dialect_name)
 
     async def fleet_stop_answer(self, report: dict[str, Any],
                                 agents: Iterable[dict[str, Any]]) -> FleetStop:

@@ -187,7 +187,7 @@ class GameDay:
         """A human of the deployment, signed in as its dialect signs people in (an API
         token here, a cookie session on upstream covey)."""
         directives = self.endpoints.puppet
-        return await sign_in(self.endpoints.dialect, self.endpoints.url, email, password,
+        return await sign_in(self.dialect_name, self.endpoints.url, email, password,
                              directives if isinstance(directives, MockDirectives) else None)
 
     async def enlist(self) -> None:
@@ -291,14 +291,19 @@ class GameDay:
     def lacks(self) -> Mapping[str, str]:
         """The checkers this game day cannot judge on its server's dialect, with what is
         missing."""
-        # getattr: a game day built without a stack (the plugin's own tests) speaks ours.
-        return dialect(getattr(self.endpoints, "dialect", COVEY_GAMEDAY)).lacks
+        return dialect(self.dialect_name).lacks
+
+    @property
+    def dialect_name(self) -> str:
+        """The dialect its control plane speaks (a game day built without a real stack, as
+        the harness's own tests do, speaks this project's)."""
+        return str(getattr(self.endpoints, "dialect", COVEY_GAMEDAY))
 
     def unjudgeable(self, verdicts: list[Verdict]) -> list[Verdict]:
         """The verdicts, those of checkers the dialect lacks evidence for made `unknown`
         with what is missing: judged on no evidence, a checker would pass vacuously."""
         lacks = self.lacks
-        return [Verdict(v.checker, "unknown", f"{NOT_JUDGEABLE} {self.endpoints.dialect} "
+        return [Verdict(v.checker, "unknown", f"{NOT_JUDGEABLE} {self.dialect_name} "
                         f"covey: {lacks[v.checker]}.") if v.checker in lacks else v
                 for v in verdicts]
 
@@ -347,7 +352,7 @@ class GameDay:
         result: dict[str, Any] = {"status": r.status_code, "body": body}
         if f == "wake" and isinstance(body, dict) and "outcome" in body:
             result["outcome"] = body["outcome"]  # a busy agent's wake started nothing
-        elif f == "wake" and not dialect(self.endpoints.dialect).reports:
+        elif f == "wake" and not dialect(self.dialect_name).reports:
             # Upstream's wake answers {"ok":true} whether or not it started anything: what
             # started is read from its sandboxes (session_start), not from this answer.
             result["outcome"] = "unreported"
@@ -425,7 +430,7 @@ class GameDay:
         (harness/record/remains.py), recorded as a `sandbox_remains` observation; None where the
         stack's sandboxes are not on this machine."""
         found = await asyncio.to_thread(remains_of, self.stack, agent_id,
-                                        self.endpoints.dialect)
+                                        self.dialect_name)
         if record and found is not None:
             self.history.observe(OBSERVER, SANDBOX_REMAINS_F,
                                  {"agent_id": agent_id, "remains": found})
@@ -525,7 +530,7 @@ class GameDay:
             "started_at": self.started_at,
             "ended_at": datetime.now(UTC).isoformat(),
             "stack": self.stack,
-            "dialect": self.endpoints.dialect,
+            "dialect": self.dialect_name,
             "seed": self.seed,
             "versions": {**self.endpoints.versions, "platform": platform.platform()},
             "agents": [{"id": a["id"], "slug": a["slug"], "behaviour": a["behaviour"]}
@@ -568,9 +573,9 @@ class GameDay:
         if self.endpoints.lease_ms is not None:
             self.history.observe(OBSERVER, LEASE_F, {"lease_ms": self.endpoints.lease_ms})
         self.copy_faults()
-        refusals = dialect(self.endpoints.dialect).refusals
+        refusals = dialect(self.dialect_name).refusals
         self.history.observe(OBSERVER, WAKE_REFUSALS_F, {
-            "dialect": self.endpoints.dialect,
+            "dialect": self.dialect_name,
             "statuses": {path: status for path, (status, _) in refusals.items()}})
         await self.copy_ledger()
         await self.copy_sandboxes_and_sessions()

@@ -212,7 +212,7 @@ async def prepare(day: GameDay) -> None:
         failed = SteadyStateNotMet(Probe(
             "the deployment answers as its dialect does", False,
             f"{day.preparing} failed: {unexpected(exc)}",
-            f"check that the deployment speaks the {day.endpoints.dialect} dialect "
+            f"check that the deployment speaks the {day.dialect_name} dialect "
             f"(--dialect) and that the credentials are an org admin's"))
         day.journal_sections.setdefault("steady_state_hypothesis", []).append(
             asdict(failed.probe))
@@ -239,7 +239,7 @@ async def _prepare(day: GameDay) -> None:
                      "platform admin's new organisation)")
     organisation = await organisation_for(
         e.url, e.admin_email, e.admin_password, e.platform_email, e.platform_password,
-        day.name, day.seed, day.run_id, e.dialect)
+        day.name, day.seed, day.run_id, day.dialect_name)
     day.organisation = organisation
     day.endpoints = replace(e, admin_email=organisation.admin_email,
                             admin_password=organisation.admin_password)
