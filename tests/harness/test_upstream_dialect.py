@@ -5,13 +5,20 @@ when, and from which commits)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from harness.act.client import ApiFailure, CoveyClient, json_of
 from harness.act.dialect import (
@@ -28,8 +35,10 @@ from harness.judge.checkers import Verdict
 from harness.judge.verdicts import KNOWN_CHECKERS, broken_rules
 from harness.record.gameday import GameDay
 from harness.record.sandbox_events import lives_from_events
-from harness.stack.base import Endpoints
+from harness.run.steady import SteadyStateNotMet, prepare
+from harness.stack.base import Endpoints, free_port
 from harness.stack.record_upstream import template
+from harness.stack.waiting import eventually
 
 RECORDING = json.loads((Path(__file__).parent / "recorded" / "upstream_answers.json")
                        .read_text())
@@ -249,3 +258,49 @@ def test_checkers_upstream_lacks_evidence_for_say_unknown_and_are_not_required(
     own = game_day_on(COVEY_GAMEDAY, frozenset({"kill_obeyed"}), tmp_path)
     assert own.required == {"kill_obeyed"}
     assert own.unjudgeable([Verdict("kill_obeyed", True, "held")])[0].valid is True
+
+
+@pytest.fixture
+async def upstream_served() -> AsyncIterator[str]:
+    """The recorded answers served over loopback HTTP, as a deployment would answer."""
+    replay = Replay()
+
+    async def answer(request: Request) -> Response:
+        sent = httpx.Request(request.method, str(request.url), headers=request.headers.raw,
+                             content=await request.body())
+        got = await replay.handle_async_request(sent)
+        await got.aread()
+        return Response(got.content, got.status_code, headers={
+            k: v for k, v in got.headers.items() if k in ("content-type", "set-cookie")})
+    app = Starlette(routes=[Route("/{path:path}", answer,
+                                  methods=["GET", "POST", "PUT", "PATCH", "DELETE"])])
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    serving = asyncio.create_task(server.serve())
+    await eventually(lambda: _started(server), 10, "the recorded upstream did not start")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await serving
+
+
+async def _started(server: uvicorn.Server) -> bool:
+    return bool(server.started)
+
+
+async def test_a_game_day_that_cannot_start_names_the_request_and_what_it_expected(
+        upstream_served: str, tmp_path: Path) -> None:
+    """This project's dialect against upstream: refused before anything is made, saying
+    which request failed and what was expected (it once said only `aborted`)."""
+    endpoints = Endpoints(upstream_served, "admin@covey.local", "pw", MockDirectives(),
+                          "none", {}, dialect=COVEY_GAMEDAY)
+    day = GameDay(name="g", stack="target", endpoints=endpoints, seed=1, report_dir=tmp_path)
+    with pytest.raises(SteadyStateNotMet, match=r"finding the game day's organisation .* "
+                       r"failed: POST /api/v1/auth/tokens answered 404, expected 201"):
+        await prepare(day)
+    assert day.journal_path is not None
+    journal = json.loads(day.journal_path.read_text())
+    assert journal["status"] == "not_started" and journal["dialect"] == COVEY_GAMEDAY
+    assert "--dialect" in journal["steady_state_hypothesis"][-1]["fix"]
