@@ -10,7 +10,10 @@ nanosecond times.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -53,9 +56,69 @@ def lives_from_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
              "source": "docker events"} for r in rows.values()]
 
 
+class SandboxWatch:
+    """Follows the Docker engine's container events from its start, keeping those of
+    upstream's sandboxes. Read afterwards, the engine keeps only its last 256 events: on a
+    machine that runs other containers, a game day's first sandboxes were gone from them by
+    its judgement (a fleet stop's killed sandboxes went missing that way)."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._stream: Any = None
+        self._client: Any = None
+
+    def start(self) -> None:
+        import docker
+
+        self._client = docker.from_env()
+        self._stream = self._client.events(decode=True, filters={"type": "container"})
+        threading.Thread(target=self._follow, name="sandbox-watch", daemon=True).start()
+
+    def _follow(self) -> None:
+        with contextlib.suppress(Exception):  # the stream closed under it: the watch ends
+            for e in self._stream:
+                name = str(e.get("Actor", {}).get("Attributes", {}).get("name", ""))
+                if name.startswith(SANDBOX_NAME.format(agent_id="")):
+                    with self._lock:
+                        self.events.append(e)
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self._stream.close()
+        with contextlib.suppress(Exception):
+            self._client.close()
+
+    def lives(self, agent_id: str) -> list[dict[str, Any]]:
+        name = SANDBOX_NAME.format(agent_id=agent_id)
+        with self._lock:
+            mine = [e for e in self.events
+                    if e.get("Actor", {}).get("Attributes", {}).get("name") == name]
+        return lives_from_events(mine)
+
+
+_watch: SandboxWatch | None = None
+
+
+@contextlib.contextmanager
+def watching(watch: SandboxWatch) -> Iterator[SandboxWatch]:
+    """Upstream's sandboxes followed by `watch` (started) for as long as the block lasts (a
+    stack's life): `sandbox_lives` reads them from it."""
+    global _watch
+    _watch = watch
+    try:
+        yield watch
+    finally:
+        _watch = None
+        watch.stop()
+
+
 def sandbox_lives(agent_id: str, since_s: float) -> list[dict[str, Any]]:
-    """The agent's sandbox containers since `since_s` (epoch seconds), from the local Docker
-    engine's events. Blocking: call it in a thread."""
+    """The agent's sandbox containers since `since_s` (epoch seconds): from the watch while
+    one runs, else from the local Docker engine's recent events. Blocking: call it in a
+    thread."""
+    if _watch is not None:
+        return _watch.lives(agent_id)
     import docker
 
     client = docker.from_env()

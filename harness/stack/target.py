@@ -3,6 +3,7 @@ credentials, speaking this project's dialect or upstream covey's (harness/act/di
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from harness.act.dialect import AUTO, UPSTREAM, detect, server_version, sign_in
 from harness.act.puppet import LocalPuppet, Puppet
 from harness.act.upstream import MockDirectives
+from harness.record.sandbox_events import SandboxWatch, watching
 from harness.stack.base import Endpoints, lease_of, serve_puppet, wait_until_healthy
 
 
@@ -41,10 +43,15 @@ class TargetStack:
                 versions = await server_version(admin, spoken.health)
             finally:
                 await admin.aclose()
-            yield Endpoints(url, self.admin_email, self.admin_password, MockDirectives(),
-                            "none: upstream's mock engine asks no model",
-                            {**versions, "python": sys.version.split()[0]},
-                            dialect=UPSTREAM)
+            # Its sandboxes are evidence only in the Docker engine's events: followed from
+            # before the first agent exists.
+            watch = SandboxWatch()
+            await asyncio.to_thread(watch.start)
+            with watching(watch):
+                yield Endpoints(url, self.admin_email, self.admin_password, MockDirectives(),
+                                "none: upstream's mock engine asks no model",
+                                {**versions, "python": sys.version.split()[0]},
+                                dialect=UPSTREAM)
             return
         puppet = Puppet()
         async with serve_puppet(puppet, self.puppet_port) as puppet_url:

@@ -34,7 +34,7 @@ from harness.judge.bounds import KNOWN_BOUNDS
 from harness.judge.checkers import Verdict
 from harness.judge.verdicts import KNOWN_CHECKERS, broken_rules
 from harness.record.gameday import GameDay
-from harness.record.sandbox_events import lives_from_events
+from harness.record.sandbox_events import SandboxWatch, lives_from_events, sandbox_lives, watching
 from harness.run.steady import SteadyStateNotMet, prepare
 from harness.stack.base import Endpoints, free_port
 from harness.stack.record_upstream import template
@@ -304,3 +304,14 @@ async def test_a_game_day_that_cannot_start_names_the_request_and_what_it_expect
     journal = json.loads(day.journal_path.read_text())
     assert journal["status"] == "not_started" and journal["dialect"] == COVEY_GAMEDAY
     assert "--dialect" in journal["steady_state_hypothesis"][-1]["fix"]
+
+
+def test_sandboxes_are_read_from_the_watch_that_followed_them() -> None:
+    """Read afterwards, the engine keeps only its last 256 events: while a stack follows
+    them, each agent's sandboxes come from that watch."""
+    watch = SandboxWatch()
+    watch.events.extend(RECORDING["docker_events"])
+    with watching(watch):
+        rows = sandbox_lives(AGENT, since_s=0)
+    assert (rows[0]["state"], rows[0]["exit_code"]) == ("gone", 3)
+    assert watch.lives("another-agent") == []
