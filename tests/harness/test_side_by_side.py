@@ -26,6 +26,6 @@ def test_each_dialect_and_switch_is_a_row_with_its_answers_and_exits() -> None:
     assert [(r["dialect"], r["switch"], r["kills"]) for r in found] == [
         ("covey-gameday", "kill_fleet", 2), ("upstream", "kill_agent", 2)]
     text = table(found)
-    assert "| upstream (458b742) | kill_agent | 2 | 17 to 34 ms (median 34) | 41 to 68 ms " \
-           "(median 68) (2 exits) | 3 |" in text
+    assert "| upstream (458b742) | kill_agent | 2 | 17 to 34 ms (median 34) | none seen | " \
+           "none seen | 41 to 68 ms (median 68) (2 exits) | 3 |" in text
     assert "53 to 53 ms (median 53) (1 exits)" in text, "a kill without an exit was counted"
