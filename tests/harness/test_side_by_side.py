@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.report.side_by_side import rows, table
+from harness.report.side_by_side import deliveries, rows, table
 
 MS = 1_000_000
 
@@ -29,3 +29,16 @@ def test_each_dialect_and_switch_is_a_row_with_its_answers_and_exits() -> None:
     assert "| upstream (458b742) | kill_agent | 2 | 17 to 34 ms (median 34) | none seen | " \
            "none seen | 41 to 68 ms (median 68) (2 exits) | 3 |" in text
     assert "53 to 53 ms (median 53) (1 exits)" in text, "a kill without an exit was counted"
+
+
+def test_the_kill_message_is_timed_from_the_request_where_the_plane_records_it() -> None:
+    j = journal("covey-gameday", "0.1", [("kill_agent", 80, 130)])
+    sample = j["measurements"]["time_to_stop"]["samples_ns"][0]
+    sample.update(agent_id="a", kill_index=0)
+    history = [{"f": "kill_agent", "time_ns": 1_000 * MS},
+               {"f": "kill_delivery", "value": {"agent_id": "b", "sent_ns": 1_005 * MS}},
+               {"f": "kill_delivery", "value": {"agent_id": "a", "sent_ns": 1_040 * MS,
+                                                "acked_ns": 1_070 * MS}}]
+    deliveries(j, history)
+    assert (sample["kill_sent_ns"], sample["kill_acked_ns"]) == (40 * MS, 70 * MS)
+    assert "| 40 to 40 ms (median 40) | 70 to 70 ms (median 70) |" in table(rows([j]))
