@@ -293,8 +293,9 @@ class Expect:
             # The answer does not say whom it woke: "at once" is a sandbox started within
             # RELEASE_WAKE_S of it (upstream's scheduler tick is 1 s).
             with contextlib.suppress(AssertionError):
-                at_work |= await eventually(
-                    lambda: _all_or_none(started, with_work), RELEASE_WAKE_S, "not at once")
+                await eventually(lambda: _all_or_none(started, with_work), RELEASE_WAKE_S,
+                                 "not at once")
+            at_work |= await started()
             self.day.notes.append(f"{what} answered {answer}: the agents it woke were read "
                                   f"from their sandboxes, within {RELEASE_WAKE_S:g} s")
         rule(at_work >= with_work, f"{what} did not wake at once every agent with open "

@@ -205,10 +205,24 @@ class UpstreamClient(CoveyClient):
         if found is None:
             return answer(404, {"error": f"task {task_id} not in agent {agent_id}'s backlog"},
                           backlog.request)
-        moves = await self.get(f"/api/v1/tasks/{task_id}/transitions")
+        moves = await self.list_at(f"/api/v1/tasks/{task_id}/transitions")
         if moves.status_code != 200:
             return moves
         return answer(200, {**found, "transitions": moves.json()}, moves.request)
+
+    async def list_at(self, path: str) -> httpx.Response:
+        """A list read: upstream's Go answers `null` for an empty one (a task never
+        dispatched has no transitions, an agent without tasks no backlog)."""
+        r = await self.get(path)
+        if r.status_code != 200 or r.json() is not None:
+            return r
+        return answer(200, [], r.request)
+
+    async def backlog(self, agent_id: str) -> httpx.Response:
+        return await self.list_at(f"/api/v1/agents/{agent_id}/backlog")
+
+    async def agents(self) -> httpx.Response:
+        return await self.list_at("/api/v1/agents")
 
     async def sandboxes(self, agent_id: str) -> httpx.Response:
         rows = await asyncio.to_thread(self.read_sandboxes, agent_id, self.since_s)

@@ -315,3 +315,10 @@ def test_sandboxes_are_read_from_the_watch_that_followed_them() -> None:
         rows = sandbox_lives(AGENT, since_s=0)
     assert (rows[0]["state"], rows[0]["exit_code"]) == ("gone", 3)
     assert watch.lives("another-agent") == []
+
+
+async def test_an_empty_list_upstream_answers_null_reads_as_an_empty_one() -> None:
+    replay = Replay({("GET", "/api/v1/tasks/{id}/transitions"): (200, None),
+                     ("GET", "/api/v1/agents/{id}/backlog"): (200, None)})
+    admin = await signed_in(replay)
+    assert json_of(await admin.backlog(AGENT)) == []
