@@ -67,7 +67,8 @@ class Replay(httpx.AsyncBaseTransport):
         self.sent.append((*key, body, request.headers.get("cookie")))
         if key in self.override:
             status, answer = self.override[key]
-            return httpx.Response(status, json=answer)
+            return httpx.Response(status, content=json.dumps(answer).encode(),
+                                  headers={"content-type": "application/json"})
         queue = self.answers.get(key)
         if not queue:
             unknown = self.answers[("POST", "/api/v1/members")][0]
