@@ -102,6 +102,10 @@ class CoveyClient:
         return await self.http.post("/api/v1/agents",
                                     json={"slug": slug, "display_name": display_name, **fields})
 
+    async def delete_agent(self, agent_id: str) -> httpx.Response:
+        """Only where the dialect's rollback retires agents (this API keeps them)."""
+        return await self.http.delete(f"/api/v1/agents/{agent_id}")
+
     async def agent(self, agent_id: str) -> httpx.Response:
         return await self.get(f"/api/v1/agents/{agent_id}")
 
