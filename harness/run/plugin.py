@@ -161,6 +161,9 @@ def _seed(config: pytest.Config) -> int:
 def make_stack(config: pytest.Config) -> Stack:
     name, _ = _stack_name(config)
     report_dir = Path(config.getoption("--report-dir"))
+    if name != "target" and config.getoption("--dialect") not in (AUTO, COVEY_GAMEDAY):
+        raise pytest.UsageError(f"--dialect {config.getoption('--dialect')} needs --stack "
+                                f"target: the {name} stack runs this project's control plane")
     if name == "processes":
         return ProcessesStack(report_dir)
     if name == "target":
@@ -175,9 +178,6 @@ def make_stack(config: pytest.Config) -> Stack:
         return TargetStack(url, email, password, config.getoption("--puppet-port"),
                            platform_email, platform_password,
                            dialect=config.getoption("--dialect"))
-    if config.getoption("--dialect") not in (AUTO, COVEY_GAMEDAY):
-        raise pytest.UsageError(f"--dialect {config.getoption('--dialect')} needs --stack "
-                                f"target: the {name} stack runs this project's control plane")
     return ContainersStack(report_dir, image=_image())
 
 
