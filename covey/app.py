@@ -230,6 +230,8 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
                 _every(settings.lease_ms / 3000, "lease", orch.renew_leases)),
             # Twice the lease: their daemons have stopped by then, however the crash fell.
             asyncio.create_task(orch.runner.settle_previous_life(2 * settings.lease_ms / 1000)),
+            # And their sessions, once their daemons' leases have run out: not at the sweep.
+            asyncio.create_task(orch.settle_previous_life()),
         ]
         await asyncio.wait_for(listener.ready.wait(), 30)
         log.info("control plane ready", node=node, ws_url=ws_url, version=__version__)
@@ -254,7 +256,7 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
     app.openapi = lambda: document(app, settings.heartbeat_min_s)  # type: ignore[method-assign]
     for router in (auth.router, agents.router, fleet.router, flags.router, trigger.router,
                    notifications.router, daemon.router, administration.router, audit.router,
-                   docs.router):
+                   docs.router, administration.icon_router):
         app.include_router(router)
 
     @app.get("/healthz", tags=["system"],

@@ -54,6 +54,9 @@ EXIT_SLEEP, EXIT_ERROR, EXIT_TRIPPED, EXIT_KILLED = 0, 1, 2, 3
 WORK_END_S = 1.0
 # How far a daemon whose kill is confirmed lowers its priority for its exit (step_aside).
 STEP_ASIDE_NICE = 10
+# The close codes with which the control plane refuses a daemon (covey.api.daemon: protocol
+# error, bad token, another sandbox's token): the daemon's own error, not the plane's loss.
+REFUSED = frozenset({4400, 4401, 4403})
 # How long the last word may hold up the exit: the channel may be the very thing that is cut.
 LAST_WORD_S = 0.2
 # Each model request carries when the daemon sent it, in nanoseconds of the wall clock
@@ -288,6 +291,32 @@ class Daemon:
         self.finish("lease", EXIT_KILLED, why)
 
     async def read(self) -> None:
+        try:
+            await self._read()
+        except websockets.ConnectionClosed:
+            pass  # said by channel_lost, below
+        if not self.stopped.done():
+            self.channel_lost()
+
+    def channel_lost(self) -> None:
+        """The control channel ended without a kill or a sleep. Refused by the control plane
+        (a bad token, a protocol error): an error of this daemon's. Otherwise the plane is
+        gone (crashed, its database away): nobody can renew the lease or send a kill any
+        more, so the daemon fails closed at once, its tool call cut, as a lapsed lease does.
+        A game day SIGKILLed the plane under a working fleet: the daemons exited 1
+        ("ConnectionClosedError"), and their last model requests arrived up to 70 ms after
+        the plane had died."""
+        code, reason = self.ws.close_code, self.ws.close_reason
+        if code in REFUSED:
+            self.finish("error", EXIT_ERROR, f"refused by the control plane ({code}"
+                        f"{': ' + reason if reason else ''})")
+            return
+        how = ("dropped without a closing handshake" if code in (None, 1006) else
+               f"closed by the control plane ({code}{': ' + reason if reason else ''})")
+        self.lease_lapsed(f"control channel {how}: the lease cannot be renewed nor a kill "
+                          "heard; failing closed")
+
+    async def _read(self) -> None:
         async for raw in self.ws:
             try:
                 message = json.loads(raw)
@@ -346,8 +375,6 @@ class Daemon:
             elif kind == "error":
                 log.warning("control plane says: %s (%s)", payload.get("error"),
                             payload.get("hint"))
-        log.error("control channel closed by the control plane")
-        self.finish("error", EXIT_ERROR, "control channel closed by the control plane")
 
     async def heartbeat(self, every_s: float = 5.0) -> None:
         while not self.stopped.done():
@@ -362,6 +389,9 @@ class Daemon:
         if task.cancelled() or task.exception() is None:
             return
         exc = task.exception()
+        if isinstance(exc, websockets.ConnectionClosed):  # a report the channel did not take
+            self.channel_lost()
+            return
         text = str(exc) if isinstance(exc, DaemonError) else repr(exc)
         log.error("%s", text)
         self.finish("error", EXIT_ERROR, text)

@@ -16,6 +16,7 @@ once (two FOR SHARE holders that both upgrade deadlock too).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import time
@@ -247,6 +248,36 @@ async def requeue_in_progress(conn: Connection, where: str, args: list[Any], not
         *args, note,
     )
     return [r["id"] for r in rows]
+
+
+async def _lose_work(conn: Connection, session_id: UUID, max_retries: int, why: str
+                     ) -> list[asyncpg.Record]:
+    """The task a session holds goes back to open as after a daemon loss, counting retries;
+    past `max_retries`, failed, saying why where its result would be."""
+    rows: list[asyncpg.Record] = await conn.fetch(
+        """
+        WITH moved AS (
+            UPDATE backlog_tasks SET daemon_retries=daemon_retries+1,
+                   state=CASE WHEN daemon_retries+1 > $2 THEN 'failed' ELSE 'open' END,
+                   -- A task given up on says why where its result would be: the operator
+                   -- who finds it failed need not dig through transitions.
+                   result=CASE WHEN daemon_retries+1 > $2
+                          THEN 'failed: its daemon was lost ' || (daemon_retries+1)
+                               || ' times (at most ' || $2 || ' retries); last: ' || $3
+                          ELSE result END,
+                   claim_token=NULL, claimed_by=NULL, updated_at=now()
+            WHERE claimed_by=$1 AND state='in_progress'
+            RETURNING id, state, daemon_retries
+        ), logged AS (
+            INSERT INTO task_transitions (task_id, from_state, to_state, note)
+            SELECT id, 'in_progress', state,
+                   'daemon lost (retry ' || daemon_retries || '): ' || $3 FROM moved
+        )
+        SELECT id, state FROM moved
+        """,
+        session_id, max_retries, why,
+    )
+    return rows
 
 
 class Orchestrator:
@@ -619,29 +650,7 @@ class Orchestrator:
             )
             if row is None:
                 return []
-            tasks = await conn.fetch(
-                """
-                WITH moved AS (
-                    UPDATE backlog_tasks SET daemon_retries=daemon_retries+1,
-                           state=CASE WHEN daemon_retries+1 > $2 THEN 'failed' ELSE 'open' END,
-                           -- A task given up on says why where its result would be: the
-                           -- operator who finds it failed need not dig through transitions.
-                           result=CASE WHEN daemon_retries+1 > $2
-                                  THEN 'failed: its daemon was lost ' || (daemon_retries+1)
-                                       || ' times (at most ' || $2 || ' retries); last: ' || $3
-                                  ELSE result END,
-                           claim_token=NULL, claimed_by=NULL, updated_at=now()
-                    WHERE claimed_by=$1 AND state='in_progress'
-                    RETURNING id, state, daemon_retries
-                ), logged AS (
-                    INSERT INTO task_transitions (task_id, from_state, to_state, note)
-                    SELECT id, 'in_progress', state,
-                           'daemon lost (retry ' || daemon_retries || '): ' || $3 FROM moved
-                )
-                SELECT id, state FROM moved
-                """,
-                session_id, max_retries, why,
-            )
+            tasks = await _lose_work(conn, session_id, max_retries, why)
             agent = await conn.fetchrow(
                 "UPDATE agents SET status='sleeping' WHERE id=$1 AND NOT killed"
                 " RETURNING org_id", row["agent_id"],
@@ -653,6 +662,35 @@ class Orchestrator:
         for t in tasks:
             metrics.daemon_losses.labels("failed" if t["state"] == "failed" else "requeued").inc()
         log.warning("daemon lost", session_id=str(session_id), why=why)
+        return [t["id"] for t in tasks]
+
+    async def result_refused(self, session_id: UUID, why: str) -> list[UUID]:
+        """The session's result for its task was refused at the protocol's boundary (a frame
+        too large to read, a field out of protocol): the task it holds goes back to the
+        backlog at once, as after a daemon loss (counted against daemon_retries, failed past
+        them, saying why), and the session goes on. The task once stayed in progress for as
+        long as its daemon, its run over, stayed connected waiting for a next task. Returns
+        the tasks settled (none when the session is over or holds none)."""
+        agent_id = await self.pool.fetchval(
+            "SELECT agent_id FROM sessions WHERE id=$1 AND state IN ('starting','running')",
+            session_id)
+        if agent_id is None:
+            return []
+        async with transaction(self.pool) as conn:
+            if await lock_agent(conn, agent_id, write=False) is None:
+                return []
+            if await conn.fetchval(
+                    "SELECT 1 FROM sessions WHERE id=$1 AND state IN ('starting','running')"
+                    " FOR SHARE", session_id) is None:
+                return []  # ended or killed meanwhile: its work is settled there
+            tasks = await _lose_work(conn, session_id, self.settings.max_daemon_retries, why)
+            if tasks:
+                await record(conn, agent_id, session_id, "task", "result_refused", {
+                    "why": why, "tasks": {str(t["id"]): t["state"] for t in tasks}})
+        for t in tasks:
+            metrics.daemon_losses.labels("failed" if t["state"] == "failed" else "requeued").inc()
+        if tasks:
+            log.warning("result refused: task put back", session_id=str(session_id), why=why)
         return [t["id"] for t in tasks]
 
     async def guard_trip(self, session_id: UUID, task_id: UUID, fencing_token: int,
@@ -1257,6 +1295,37 @@ class Orchestrator:
             await self.wake_many(sorted(ids), "tick")
         if self.runner is not None:
             await self.runner.maintain_parked(self.tell_idle_to_sleep)
+
+    async def settle_previous_life(self) -> list[UUID]:
+        """At start, the sessions this node's previous life left live (same host and port:
+        only one process can hold them) are lost, their tasks back in the backlog as after
+        any daemon loss. Their daemons' channels died with that life, their tokens are spent,
+        and no replica but this one could ever hear them again; a game day found them still
+        `running` about 6 s after a restart, until the stale-session sweep. Each is settled
+        once its daemon's lease (renewed at the session's last_seen_at) has run out, so that
+        no task is handed out again while its old daemon may still act: after a restart that
+        has nearly always happened already. Another replica's sessions are never touched."""
+        host_port = self.node.rsplit(":", 1)[0]
+        rows = await through_outage(lambda: self.pool.fetch(
+            "SELECT id, EXTRACT(EPOCH FROM last_seen_at - now())::float8 + $3 AS leased_s"
+            " FROM sessions"
+            " WHERE node LIKE $1 || ':%' AND node <> $2 AND state IN ('starting','running')",
+            host_port, self.node, self.settings.lease_ms / 1000), "a previous life's sessions")
+        if not rows:
+            return []
+        await asyncio.sleep(max(0.0, max(r["leased_s"] for r in rows)))
+        # A daemon whose session was still `starting` may have dialled this life meanwhile
+        # with its unspent token: it is served here, not lost.
+        held = set(self.hub.session_ids())
+        lost = [r["id"] for r in rows if r["id"] not in held]
+        tasks: list[UUID] = []
+        for session_id in lost:
+            tasks += await through_outage(functools.partial(
+                self.session_lost, session_id, "its control plane restarted: the daemon's "
+                "channel died with the plane's previous life"), "a previous life's session")
+        log.warning("sessions of a previous life settled", sessions=len(lost),
+                    tasks=len(tasks))
+        return tasks
 
     async def requeue_orphaned_work(self) -> list[UUID]:
         """Put back to open the tasks still in progress under a session that is over.

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, get_args
 from uuid import UUID
@@ -303,12 +304,23 @@ class Frame:
     cleaned: tuple[str, ...] = ()  # what the boundary changed, to be recorded
 
 
+# The type a frame declares first, as coveyd writes it: read from a frame too large to parse,
+# so that a task's result refused unread still settles its task.
+DECLARED_TYPE = re.compile(r'\s*\{\s*"type"\s*:\s*"([a-z_]{1,32})"')
+
+
+def _declared_type(text: str) -> str | None:
+    declared = DECLARED_TYPE.match(text[:200])
+    return declared.group(1) if declared and declared.group(1) in MESSAGES else None
+
+
 def read_frame(text: str) -> Frame:
     """The frame, checked; or a ProtocolError naming what is wrong with it."""
     if len(text) > MAX_FRAME_BYTES or len(text.encode("utf-8", "surrogatepass")) > \
             MAX_FRAME_BYTES:
         raise ProtocolError("Frame too large", f"a frame holds at most {MAX_FRAME_BYTES} "
-                            f"bytes; cut results at {MAX_RESULT_CHARS} characters", "frame")
+                            f"bytes; cut results at {MAX_RESULT_CHARS} characters", "frame",
+                            _declared_type(text))
     try:
         envelope = json.loads(text)
     except (ValueError, RecursionError):  # RecursionError: nested too deep to read at all

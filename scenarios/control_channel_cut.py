@@ -60,10 +60,7 @@ async def test_control_channel_cut(gameday: GameDay, agents_per_game_day: int) -
 
     # The fault heals itself at its deadline; the agents come back to work on their own
     # (their tasks were requeued when their daemons were lost).
-    async def healed() -> bool:
-        await day.endpoints.nemesis.refresh()
-        return channel.active is None
-    await eventually(healed, CUT_S + 5, "the cut never healed on its deadline")
+    await day.until.fault_healed(cut, CUT_S + 5, "the control channel's cut (on its deadline)")
     await day.until.all_working(agents, 60)
 
     # Stop the fleet on working agents: each task in progress (read just above) must be

@@ -9,13 +9,10 @@ time-to-stop per agent and the steady states.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from harness.act.client import json_of
 from harness.record.gameday import GameDay, assert_valid
-from harness.stack.waiting import eventually
 
 # A multi-step writer, an agent that never stops on its own, and a well-behaved one whose
 # tasks finish (so work is seen moving).
@@ -37,18 +34,7 @@ async def test_fleet_stop(gameday: GameDay, agents_per_game_day: int) -> None:
             await day.task(a["id"])
     json_of(await day.as_("org_admin").client.add_heartbeat(
         agents[0]["id"], "hourly", "heartbeat", 3600), 201)
-
-    async def steady() -> dict[str, Any] | None:  # every busy agent at work, work moving
-        tasks = await day.read_tasks()
-        held = {t["agent_id"] for t in tasks.values() if t["state"] == "in_progress"}
-        done = sum(t["state"] == "done" for t in tasks.values())
-        if all(a["id"] in held for a in agents if a["behaviour"] != "well_behaved") and (
-                done or all(a["behaviour"] != "well_behaved" for a in agents)):
-            return {"tasks_in_progress": len(held), "tasks_done": done,
-                    "agents": len(agents)}
-        return None
-    day.steady_state = await eventually(steady, 120, "no steady state: agents not working",
-                                        impossible=day.why_work_cannot_finish)
+    day.steady_state = await day.until.steady_work(agents)  # busy agents at work, work moving
 
     in_progress = {i for i, t in (await day.read_tasks()).items()
                    if t["state"] == "in_progress"}

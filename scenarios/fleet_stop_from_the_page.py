@@ -46,15 +46,15 @@ async def test_fleet_stop_from_the_page(gameday: GameDay, agents_per_game_day: i
         async def on_the_page(press: Any, *args: Any) -> Any:
             """Press, then wait until the page shows the switch's answer."""
             await asyncio.to_thread(page.execute_script,
-                                    "document.getElementById('message').textContent=''")
+                                    "delete document.getElementById('message').dataset.outcome")
             await asyncio.to_thread(press, page, *args)
 
-            async def answered() -> str | None:
-                text: str = await asyncio.to_thread(
-                    lambda: page.find_element("id", "message").text)
-                return text if text not in ("", "Sending…") else None
-            said = await eventually(answered, 30, "the page never showed the answer")
-            assert said == "Done.", f"the page refused the switch: {said}"
+            async def answered() -> tuple[str, str] | None:
+                outcome, text = await asyncio.to_thread(page.execute_script, "const m = "
+                    "document.getElementById('message'); return [m.dataset.outcome, m.textContent]")
+                return (outcome, text) if outcome else None
+            outcome, said = await eventually(answered, 30, "the page never showed the answer")
+            assert outcome == "ok", f"the page refused the switch: {said}"
             return await day.people["auditor"].fleet()
         clicked_ns = time.time_ns()
         r = await day.operate("security", "kill_fleet", {}, lambda: on_the_page(

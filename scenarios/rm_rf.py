@@ -14,7 +14,6 @@ import pytest
 
 from harness.act.client import json_of
 from harness.record.gameday import GameDay
-from harness.stack.waiting import eventually
 
 # Out of reach of the loop detector: the switch, not the guard, is under test.
 NO_LOOP_TRIP = {"loop_window": 1000, "loop_repeats": 1000}
@@ -45,12 +44,8 @@ async def test_rm_rf_loop_killed_by_its_owner(gameday: GameDay) -> None:
         for _ in range(3):
             json_of(await owner.create_task(a), 201)
     json_of(await owner.create_task(victim, "tidy up"), 201)
-
-    async def deleting() -> bool:
-        rm = [e for e in await day.endpoints.puppet.actions(victim["id"])
-              if e.tool == "shell" and "rm -rf" in e.args.get("cmd", "")]
-        return len(rm) >= 3
-    await eventually(deleting, 60, "the rm -rf agent never got to deleting")
+    await day.until.tool_calls(victim, "shell", "rm -rf", 3, 60,
+                               "the rm -rf agent never got to deleting")
     await day.until.all_working(others)
     done_before = sum(t["state"] == "done" for t in (await day.read_tasks()).values())
 
@@ -74,11 +69,7 @@ async def test_rm_rf_loop_killed_by_its_owner(gameday: GameDay) -> None:
                                 "session would start from what rm -rf left")
 
     # The others kept working: their tasks moved during the incident and all finish.
-    async def others_done() -> bool:
-        rest = [t for t in (await day.read_tasks()).values()
-                if t["agent_id"] != victim["id"]]
-        return all(t["state"] == "done" for t in rest)
-    await eventually(others_done, 120, "the other agents' work stopped with the killed "
-                     "agent's")
+    await day.until.condition(lambda: day.until.all_tasks_done_of(others), 120,
+                              "the other agents' work stopped with the killed agent's")
     done_after = sum(t["state"] == "done" for t in (await day.read_tasks()).values())
     assert done_after > done_before, "no other agent finished work after the kill"

@@ -41,22 +41,11 @@ async def test_runaway_spend(gameday: GameDay) -> None:
     tasks = {a["id"]: json_of(await owner.create_task(a), 201) for a in spenders}
     for a in spenders:
         await day.until.stopped_by(a, "budget")
-    alerts = [n["title"] for n in json_of(await day.people["security"].notifications())
-              if n["kind"] == "agent_tripped"]
-    for a in spenders:
-        alert = next((t for t in alerts if a["slug"] in t), None)
-        assert alert is not None and "budget" in alert and "$" in alert, (
-            f"no alert names agent {a['slug']}, the budget layer and its money: {alerts}")
+    await day.expect.trip_alerts_name(spenders, "budget", "$",
+                                      what="the budget layer and its money")
 
     # Held: a wake does not restart it, and a fleet resume leaves it stopped.
-    r = await owner.wake(spenders[0])
-    assert r.status_code == 409, f"a wake restarted an agent its guard had stopped: {r.text}"
-    json_of(await security.kill_fleet())
-    woken = set(json_of(await security.resume_fleet())["agents_woken"])
-    held = {a["id"]: json_of(await day.people["auditor"].agent(a["id"])) for a in spenders}
-    assert not woken & set(held) and all(a["killed"] for a in held.values()), (
-        "the fleet resume released agents their budget guard had stopped: only a changed "
-        "task or a human may")
+    await day.expect.held_by_the_guard(spenders, owner, security, "budget")
 
     # Released: one by a changed task, one by its owner's resume; both then finish.
     first, second = spenders[0], spenders[1]
@@ -65,16 +54,10 @@ async def test_runaway_spend(gameday: GameDay) -> None:
     json_of(await owner.change_task(first, tasks[first["id"]]["id"],
                                     body="spend within the budget this time"))
     json_of(await owner.resume_agent(second))
-
-    async def released_done() -> bool:
-        read = await day.read_tasks()
-        return all(read[tasks[a["id"]]["id"]]["state"] == "done" for a in (first, second))
-    await day.until.condition(released_done, 60, "an agent released by a changed task "
-                              "or a human's resume did not get back to its work")
-    still = json_of(await day.people["auditor"].agent(spenders[2]["id"]))
-    assert still["killed"] and still["kill_origin"] == "guard", (
-        "an agent its budget guard stopped was released although nobody changed its "
-        "task or resumed it")
+    await day.until.condition(lambda: day.until.all_tasks_done_of([first, second]), 60,
+                              "an agent released by a changed task or a human's resume did "
+                              "not get back to its work")
+    await day.expect.still_held_by_the_guard(spenders[2], "budget")
 
 
 @pytest.mark.decides("every_fault_healed")

@@ -27,6 +27,7 @@ from harness.load.kills import acknowledged_at, late_requests
 from harness.nemesis import FaultProxy
 from harness.record.gameday import kill_delivery
 from harness.record.history import History
+from harness.record.remains import remains_of
 from harness.stack.waiting import eventually
 from tests.conftest import COVEYD
 
@@ -257,6 +258,52 @@ async def test_cutting_the_control_channel_stops_the_agent_within_the_lease(
             assert "its kill-flag lease ran out" in _daemon_log(plane, sandbox["id"])
             # Generous on a shared 2-core machine: the lease plus a margin.
             assert stopped_after < lease_s + 1.5, stopped_after
+
+
+# A tool call that outlives its daemon unless the daemon ends it: a `sleep` well past the test.
+LONG_SLEEP = {"name": "long sleep", "steps": [{"shell": "sleep 120"}]}
+
+
+async def test_a_daemon_whose_control_plane_is_gone_fails_closed_at_once(
+        database_url: str, tmp_path: Path, model: tuple[str, Puppet]) -> None:
+    """Its channel reset as a crashed plane's is: the daemon stops at once (not at the end of
+    its lease), exits 3, ends its tool call's processes and says why in its last log line."""
+    port, lease_s = free_port(), 5.0
+    async with FaultProxy("127.0.0.1", port, name="control-channel", control_port=None) as proxy:
+        async with start_plane(database_url, tmp_path, COVEYD, model_url=model[0],
+                               lease_ms=int(lease_s * 1000), port=port,
+                               public_ws_url=f"ws://127.0.0.1:{proxy.port}/api/daemon/ws"
+                               ) as plane, make_world(plane) as world:
+            agent = await world.agent()
+            model[1].assign(agent["id"], LONG_SLEEP)
+            await world.task(agent["id"], "sleep")
+
+            async def sleeping() -> bool:
+                return any("sleep 120" in p for p in remains_of("processes", agent["id"]) or [])
+            await eventually(sleeping, 20, "the agent's long tool call never started")
+            [row] = await world.db.fetch(
+                "SELECT id, handle FROM sandboxes WHERE agent_id=$1 AND state='running'",
+                uuid.UUID(agent["id"]))
+            await proxy.reset(60)  # every connection reset; heals on exit
+            cut_at = time.monotonic()
+
+            async def all_gone() -> bool:
+                return _exited(int(row["handle"])) and not any(
+                    "sleep 120" in p for p in remains_of("processes", agent["id"]) or [])
+            await eventually(all_gone, lease_s + 10, "the daemon or its tool call ran on "
+                             "after its control channel was reset", interval=0.01)
+            stopped_after = time.monotonic() - cut_at
+            sandbox = await _sandbox(world, agent["id"])
+            assert sandbox["id"] == str(row["id"])
+            log = _daemon_log(plane, sandbox["id"])
+            assert sandbox["exit_code"] == 3, (
+                f"a daemon that lost its control plane exited {sandbox['exit_code']}, not 3 "
+                f"(failing closed): {log[-600:]}")
+            assert "control channel dropped" in log and "failing closed" in log, log[-600:]
+            # At once, well within the lease it no longer waits for (generous: 2 shared cores).
+            assert stopped_after < lease_s - 2, (
+                f"the daemon stopped {stopped_after:.2f} s after its channel was reset: it "
+                f"waited for its lease ({lease_s} s) instead of failing closed at once")
 
 
 def _exited(pid: int) -> bool:

@@ -427,8 +427,10 @@ async def test_daemon_frame_fuzzer(world: World) -> None:
     assert not crashes.lines, f"crash lines in the log: {crashes.lines[:5]}"
     assert not _errors(ours), f"error lines in covey's log: {_errors(ours)[:5]}"
     assert statuses and all(0 < s < 500 for s in statuses), sorted(set(statuses))
-    # Its work went back to the backlog with the daemon: nothing left in progress.
-    state = await world.db.fetchval(
-        "SELECT t.state FROM backlog_tasks t JOIN sessions s ON s.agent_id=t.agent_id"
-        " WHERE s.sandbox_id=$1", channel.sandbox_id)
-    assert state == "open", state
+    # Its work was settled, never left in progress: back in the backlog with the daemon, or
+    # failed once its results had been refused more often than a task is retried.
+    task = await world.db.fetchrow(
+        "SELECT t.state, t.result FROM backlog_tasks t JOIN sessions s"
+        " ON s.agent_id=t.agent_id WHERE s.sandbox_id=$1", channel.sandbox_id)
+    assert task["state"] == "open" or (
+        task["state"] == "failed" and "was refused" in task["result"]), dict(task)

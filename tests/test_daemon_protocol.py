@@ -199,7 +199,6 @@ async def test_bad_frames_are_answered_and_the_channel_goes_on(world: World) -> 
             ("event", {"kind": "k" * 100}, "payload.kind"),
             ("event", {"detail": "\x00" * (1 << 20)}, "frame"),  # 6 MiB escaped
             ("stopping", {"stop": "sleep\x00"}, "payload.stop"),
-            ("task_done", {**ids, "result": ["not", "text"]}, "payload.result"),
         ]
         for kind, payload, field in refused:
             await channel.send(kind, payload)
@@ -224,6 +223,63 @@ async def test_bad_frames_are_answered_and_the_channel_goes_on(world: World) -> 
     assert stop["daemon_stop_detail"] == ("x\ufffd" * 150), stop
     assert await world.task_state(channel.task["task_id"]) == "done"
     await session_settled(world, channel.sandbox_id)
+
+
+REFUSED_RESULTS = [
+    ("task_done", "result", ["not", "text"], "payload.result"),
+    ("task_done", "result", "é" * (2 << 20), "frame"),  # over the frame's size cap
+    ("blocked", "trip", {"layer": "telepathy"}, "payload.trip"),
+]
+
+
+@pytest.mark.parametrize(("kind", "name", "value", "field"), REFUSED_RESULTS)
+async def test_a_refused_result_puts_its_task_back_at_once(
+        world: World, kind: str, name: str, value: Any, field: str) -> None:
+    """Answered with an error, the task was left in progress for as long as its daemon
+    stayed connected. Now it goes back at once, as after a daemon loss, and the daemon is
+    given it again."""
+    async with daemon_channel(world) as channel:
+        task = channel.task
+        await channel.send(kind, {"task_id": task["task_id"],
+                                  "fencing_token": task["fencing_token"], name: value})
+        answer = (await channel.next("error"))["payload"]
+        assert (answer["field"], answer["type"]) == (field, kind), answer
+        try:
+            async with asyncio.timeout(10):
+                again = await channel.next("assign_task", "sleep", "error")
+        except TimeoutError:
+            raise AssertionError(f"the task whose {kind} was refused stayed in progress: "
+                                 "nothing was handed out within 10 s") from None
+        assert again["type"] == "assign_task", (
+            f"the task whose {kind} was refused was not put back and handed out again: {again}")
+        assert again["payload"]["task_id"] == task["task_id"]
+        assert again["payload"]["fencing_token"] != task["fencing_token"]
+        # Read while the channel is open: its close is a daemon loss of its own (retry 2).
+        row = await world.db.fetchrow(
+            "SELECT daemon_retries, (SELECT note FROM task_transitions WHERE task_id=t.id"
+            " AND to_state='open' AND from_state='in_progress' ORDER BY id LIMIT 1) AS note"
+            " FROM backlog_tasks t WHERE id=$1", uuid.UUID(task["task_id"]))
+    assert row["daemon_retries"] == 1 and f"its {kind} was refused" in row["note"], dict(row)
+    await session_settled(world, channel.sandbox_id)
+
+
+async def test_a_result_refused_past_the_retries_fails_its_task_saying_why(
+        world: World) -> None:
+    async with daemon_channel(world) as channel, asyncio.timeout(30):
+        task, retries = channel.task, world.plane.orch.settings.max_daemon_retries
+        for attempt in range(retries + 1):
+            await channel.send("task_done", {"task_id": task["task_id"],
+                                             "fencing_token": task["fencing_token"],
+                                             "result": ["not", "text"]})
+            await channel.next("error")
+            task = (await channel.next("assign_task", "sleep"))["payload"] \
+                if attempt < retries else task
+        assert (await channel.next("sleep", "assign_task"))["type"] == "sleep"
+    row = await world.db.fetchrow("SELECT state, result FROM backlog_tasks WHERE id=$1",
+                                  uuid.UUID(task["task_id"]))
+    assert row["state"] == "failed", dict(row)
+    assert "its task_done was refused: Invalid task_done message (payload.result)" in (
+        row["result"]), row["result"]
 
 
 async def test_a_kill_ack_counts_whatever_its_payload(world: World) -> None:

@@ -209,8 +209,8 @@ async def test_spend_read_back_through_the_api_equals_the_booked_cost_entries(
         assert r.status_code == 200, r.text
         page = (await browser.get("/administration")).text
     row = page[page.index(f'data-agent-id="{agent["id"]}"'):].split("</tr>")[0]
-    assert f'<td class="spent">${got["spent_usd"]:.4f}</td>' in row, row
-    assert '<td class="budget">$0.5000</td>' in row, row
+    assert f'class="spent num">${got["spent_usd"]:.4f}</td>' in row, row
+    assert 'class="budget num">$0.5000</td>' in row, row
 
     after = (await world.anonymous.get("/metrics")).text
     spend = _sample(after, "covey_model_spend_usd_total", agent_id=agent["id"])

@@ -5,6 +5,7 @@ database (its link cut by the nemesis's fault proxy) fails closed while the othe
 from __future__ import annotations
 
 import os
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -191,10 +192,10 @@ async def test_a_replica_that_loses_its_database_fails_closed_and_the_other_serv
                 await eventually(healthy, 60, "replica B never reconnected to its database "
                                  "after the link healed")
                 # B records its daemons' exits, held through the outage, at the time they
-                # happened: each a kill-switch exit for a lease not renewed. A database that
-                # refuses B fails B's first write for a daemon, and B closes that daemon's
-                # channel: it stops sooner, as a daemon error (1).
-                recorded = await _b_exits(world, on_b, {3} if fault == "blackhole" else {1, 3})
+                # happened: each a kill-switch exit. A database that refuses B fails B's first
+                # write for a daemon, and B closes that daemon's channel (4503): it stops
+                # sooner, failing closed as for a lease not renewed.
+                recorded = await _b_exits(world, on_b, {3})
                 figures = {a: (at - cut.started_ns) / 1e9 for a, at in recorded.items()}
                 print(f"\nreplica B lost its database ({fault}); its daemons exited after (s): "
                       f"{ {a[:8]: round(s, 2) for a, s in sorted(figures.items())} } "
@@ -285,3 +286,57 @@ async def _b_exits(world: World, on_b: list[asyncpg.Record], codes: set[int]
     found: dict[str, int] = await eventually(recorded, 30, "replica B never recorded its "
                                              "daemons' exits after its database came back")
     return found
+
+
+async def _held_task(world: World, node: str) -> tuple[uuid.UUID, uuid.UUID]:
+    """An agent whose daemon, held by `node`, works a task: its sandbox, its running session
+    (seen a moment ago) and the task it claimed, as a wake and a claim write them."""
+    agent_id, sandbox_id = uuid.UUID((await world.agent())["id"]), uuid.uuid4()
+    session_id, task_id = uuid.uuid4(), uuid.uuid4()
+    await world.db.execute(
+        "INSERT INTO sandboxes (id, agent_id, backend, state, node, token_used)"
+        " VALUES ($1, $2, 'process', 'running', $3, true)", sandbox_id, agent_id, node)
+    await world.db.execute(
+        "INSERT INTO sessions (id, agent_id, sandbox_id, node, state)"
+        " VALUES ($1, $2, $3, $4, 'running')", session_id, agent_id, sandbox_id, node)
+    await world.db.execute(
+        "INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin, state,"
+        " claimed_by, claim_token) VALUES ($1, $2, $3, 't', 'hold', 'api', 'in_progress',"
+        " $4, 1)", task_id, world.org.id, agent_id, session_id)
+    return session_id, task_id
+
+
+async def test_a_restarted_replica_settles_its_previous_lifes_sessions_at_start(
+        database_url: str, tmp_path: Path) -> None:
+    # The sweep waits far longer than this test: only the start-up can settle them.
+    slow_sweep = {"daemon_timeout_s": 600, "lease_ms": 1000}
+    port = free_port()
+    async with start_plane(database_url, tmp_path / "a", SCRIPTED_DAEMON,
+                           **slow_sweep) as a, make_world(a) as world:
+        dead, dead_task = await _held_task(world, f"{socket.gethostname()}:{port}:0ld1fe")
+        live, live_task = await _held_task(world, a.orch.node)  # replica A's, alive
+        started = time.monotonic()
+        async with start_plane(database_url, tmp_path / "b", SCRIPTED_DAEMON, port=port,
+                               **slow_sweep):
+            async def settled() -> asyncpg.Record | None:
+                row: asyncpg.Record | None = await world.db.fetchrow(
+                    "SELECT state, stop_reason FROM sessions WHERE id=$1 AND state<>'running'",
+                    dead)
+                return row
+            row = await eventually(settled, 30, "the restarted replica left its previous "
+                                   "life's session running")
+            took_s = time.monotonic() - started
+            assert row["state"] == "lost" and "restarted" in row["stop_reason"], dict(row)
+            note = await world.db.fetchval(
+                "SELECT note FROM task_transitions WHERE task_id=$1 AND from_state="
+                "'in_progress' ORDER BY id LIMIT 1", dead_task)
+            assert note is not None and "restarted" in note, (
+                f"the previous life's task was not put back as a daemon loss: {note!r}")
+            # Generous (2 shared cores): a plane's start plus its lease, nowhere near a sweep.
+            assert took_s < 20, f"settled {took_s:.1f} s after the restart began"
+            still = await world.db.fetchrow(
+                "SELECT s.state, t.state AS task FROM sessions s JOIN backlog_tasks t"
+                " ON t.claimed_by=s.id AND t.id=$2 WHERE s.id=$1", live, live_task)
+            assert still is not None and (still["state"], still["task"]) == (
+                "running", "in_progress"), (
+                f"a restarted replica settled another live replica's session: {still}")

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 
-from covey.api.agents import AGENT_COLUMNS, AGENT_JOINS
+from covey.api.agents import AGENT_COLUMNS, AGENT_JOINS, kill_out
 from covey.api.deps import (
     KILLERS,
     SECURITY,
@@ -32,7 +32,7 @@ from covey.api.deps import (
     sign_in_lane,
 )
 from covey.errors import ApiError
-from covey.orchestrator import Orchestrator
+from covey.orchestrator import KillReport, Orchestrator
 from covey.sign_in import client_address
 
 router = APIRouter(prefix="/administration", include_in_schema=False)
@@ -41,7 +41,12 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'se
        " img-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
 _templates = Environment(loader=PackageLoader("covey", "templates"),
                          autoescape=select_autoescape(["html"]))
-STATIC = {"admin.js": "text/javascript", "admin.css": "text/css"}
+STATIC = {"admin.js": "text/javascript", "admin.css": "text/css",
+          "favicon.svg": "image/svg+xml"}
+# Outside the page's prefix: a browser asks for /favicon.ico by itself (a 404 there was the
+# page's one console error).
+icon_router = APIRouter(include_in_schema=False)
+ATTENTION_ROWS = 20
 
 
 def csrf_token(session_token: str) -> str:
@@ -84,6 +89,71 @@ async def _who(request: Request) -> Principal | None:
         return None
 
 
+async def attention(orch: Orchestrator, org_id: UUID) -> dict[str, list[dict[str, Any]]]:
+    """What an on-call engineer must look at beside the switch: tasks that ended failed or
+    blocked, and the guard's trips, newest first, each with its reason."""
+    tasks = await orch.pool.fetch(
+        "SELECT t.id, t.agent_id, a.slug, t.title, t.state, t.result, t.updated_at"
+        " FROM backlog_tasks t JOIN agents a ON a.id=t.agent_id"
+        " WHERE t.org_id=$1 AND t.state IN ('failed','blocked')"
+        f" ORDER BY t.updated_at DESC LIMIT {ATTENTION_ROWS}", org_id)
+    trips = await orch.pool.fetch(
+        "SELECT s.id, s.agent_id, a.slug, s.stop_layer, s.stop_reason, s.ended_at"
+        " FROM sessions s JOIN agents a ON a.id=s.agent_id"
+        " WHERE a.org_id=$1 AND s.state='tripped'"
+        f" ORDER BY s.ended_at DESC NULLS LAST LIMIT {ATTENTION_ROWS}", org_id)
+    return {
+        "failed_tasks": [{"task_id": str(t["id"]), "agent_id": str(t["agent_id"]),
+                          "agent": t["slug"], "title": t["title"], "state": t["state"],
+                          "reason": t["result"] or "no reason was given",
+                          "at": t["updated_at"].isoformat(timespec="seconds")}
+                         for t in tasks],
+        "guard_trips": [{"session_id": str(r["id"]), "agent_id": str(r["agent_id"]),
+                         "agent": r["slug"], "layer": r["stop_layer"] or "guard",
+                         "reason": r["stop_reason"] or "no reason was given",
+                         "at": r["ended_at"].isoformat(timespec="seconds")
+                         if r["ended_at"] else ""}
+                        for r in trips]}
+
+
+async def stop_summary(orch: Orchestrator, report: KillReport) -> dict[str, Any]:
+    """What a stop did, for the page to say after it (not only "Done."): the kill's answer
+    (as the API gives it) and, per session it cancelled, how its daemon confirmed."""
+    answer = kill_out(report).model_dump(mode="json")
+    slugs: dict[UUID, str] = {r["id"]: r["slug"] for r in await orch.pool.fetch(
+        "SELECT s.id, a.slug FROM sessions s JOIN agents a ON a.id=s.agent_id"
+        " WHERE s.id = ANY($1::uuid[])", report.sessions_cancelled)}
+    acked, torn, confirmed = (set(report.kill_acknowledged), set(report.kill_torn_down),
+                              set(report.kill_confirmed))
+    answer["daemons"] = [
+        {"session_id": str(s), "agent": slugs.get(s, ""),
+         "answer": "acknowledged the kill" if s in acked
+         else "did not acknowledge in time: its sandbox was torn down" if s in torn
+         else "hung up (confirmed, not acknowledged)" if s in confirmed
+         else "not confirmed yet (no daemon answered before this reply)"}
+        for s in report.sessions_cancelled]
+    return answer
+
+
+def _reason_required(form: dict[str, str], request: Request) -> Response | None:
+    if _reason(form) is None:
+        return _refusal(400, "A reason is required to stop agents",
+                        "Say why in the confirmation's reason field; it goes into the audit "
+                        "log and the notification.", request)
+    return None
+
+
+@router.get("/attention")
+async def attention_now(request: Request) -> Response:
+    """The failed tasks and guard trips, for the page's live refresh."""
+    who = await _who(request)
+    if who is None or request.cookies.get(SESSION_COOKIE) is None:
+        return JSONResponse({"error": "Not signed in",
+                             "hint": "Sign in on /administration first."}, 401)
+    return JSONResponse(await attention(request.app.state.orchestrator, who.org_id),
+                        headers={"Cache-Control": "no-store"})
+
+
 @router.get("", response_class=HTMLResponse)
 async def administration(request: Request) -> Response:
     orch: Orchestrator = request.app.state.orchestrator
@@ -108,6 +178,7 @@ async def administration(request: Request) -> Response:
         " ORDER BY tool", who.org_id)
     html = _templates.get_template("administration.html").render(
         who=who, fleet=fleet, agents=agents, tools=tools,
+        attention=await attention(orch, who.org_id),
         csrf=csrf_token(request.cookies[SESSION_COOKIE]),
         may_pull_fleet=who.role in SECURITY, may_kill=who.role in KILLERS)
     return _page(html)
@@ -170,9 +241,13 @@ async def kill_fleet(request: Request) -> Response:
     if isinstance(acting, Response):
         return acting
     who, form = acting
-    report = await request.app.state.orchestrator.kill_fleet(
-        who.org_id, who.human_id, started=arrived(request), reason=_reason(form))
-    return _done(request, {"fleet_killed": True, "agents_stopped": len(report.agents)})
+    refused = _reason_required(form, request)
+    if refused is not None:
+        return refused
+    orch: Orchestrator = request.app.state.orchestrator
+    report = await orch.kill_fleet(who.org_id, who.human_id, started=arrived(request),
+                                   reason=_reason(form))
+    return _done(request, {"fleet_killed": True, **await stop_summary(orch, report)})
 
 
 @router.post("/fleet/resume")
@@ -200,10 +275,16 @@ async def agent_switch(agent_id: str, action: str, request: Request) -> Response
     if target is None or action not in ("kill", "resume"):
         return _refusal(404, "No such agent or action", "Use the page's buttons.", request)
     if action == "kill":
-        found: object = await orch.kill_agent(who.org_id, target, who.human_id,
-                                              started=arrived(request), reason=_reason(form))
-    else:
-        found = await orch.resume_agent(who.org_id, target, who.human_id, reason=_reason(form))
+        refused = _reason_required(form, request)
+        if refused is not None:
+            return refused
+        killed = await orch.kill_agent(who.org_id, target, who.human_id,
+                                       started=arrived(request), reason=_reason(form))
+        if killed is None:
+            return _refusal(404, "No such agent", "It may have been removed; reload.", request)
+        return _done(request, {"agent_id": agent_id, "action": action,
+                               **await stop_summary(orch, killed)})
+    found = await orch.resume_agent(who.org_id, target, who.human_id, reason=_reason(form))
     if found is None:
         return _refusal(404, "No such agent", "It may have been removed; reload.", request)
     return _done(request, {"agent_id": agent_id, "action": action})
@@ -229,3 +310,8 @@ async def static(name: str) -> Response:
     body = resources.files("covey").joinpath("static", name).read_bytes()
     return Response(body, media_type=STATIC[name], headers={"Cache-Control": "no-cache",
                                                             "X-Content-Type-Options": "nosniff"})
+
+
+@icon_router.get("/favicon.ico")
+async def favicon() -> Response:
+    return await static("favicon.svg")

@@ -264,6 +264,18 @@ async def _handle_in_order(orch: Orchestrator, link: DaemonLink,
             await _handle(orch, link, message.kind, message)
         except ProtocolError as exc:
             await send_to(link, "error", exc.answer())
+            if exc.kind in ("task_done", "blocked"):
+                await _result_refused(orch, link, exc)
+
+
+async def _result_refused(orch: Orchestrator, link: DaemonLink, exc: ProtocolError) -> None:
+    """A task's result the boundary refused is a result lost: the task the session holds is
+    put back at once (its daemon, its run over, would otherwise wait for a next task with
+    the task in progress), and the daemon gets its next task, or sleeps."""
+    why = f"its {exc.kind} was refused: {exc.error}" + (
+        f" ({exc.field})" if exc.field else "")
+    if await orch.result_refused(link.session_id, why):
+        await _assign_next(orch, link)
 
 
 async def hand_over(orch: Orchestrator, link: DaemonLink) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -23,7 +25,8 @@ from harness.stack.isolation import strangers_stopped
 from harness.stack.waiting import eventually
 
 if TYPE_CHECKING:
-    from harness.act.operator import Operator
+    from harness.act.operator import AgentRef, Operator
+    from harness.nemesis import FaultRecord
     from harness.record.gameday import GameDay
 
 LIVE = ("starting", "running")
@@ -38,6 +41,11 @@ async def _all_or_none(started: Callable[[], Awaitable[set[str]]], wanted: set[s
                        ) -> set[str] | None:
     found = await started()
     return found if found >= wanted else None
+
+
+# What a daemon stopped by a switch says in its exit line (covey.coveyd): it obeyed a kill, or
+# it failed closed (its lease lapsed, its channel gone).
+WHYS_OF_A_SWITCH = ("obeyed a kill message", "failing closed")
 
 
 class RuleBroken(AssertionError):
@@ -231,6 +239,41 @@ class Expect:
                 late[a["id"]] = len(calls)
         rule(not late, f"{broken} ({late})")
 
+    async def failed_closed(self, agents: Iterable[dict[str, Any]], sandbox_ids: list[str],
+                            died_ns: int, slack_s: float, deadline_s: float = 30) -> None:
+        """The daemons of these sandboxes lost their control plane at `died_ns` and failed
+        closed (DESIGN §2.4): none sent its model a request more than `slack_s` later (the
+        puppet's ledger, by the daemon's own send stamp), and each exited 3 saying why in its
+        last log line (failing closed, or obeying a kill that reached it before the plane
+        died), read on this machine where the stack allows. The figure: the last
+        request's send after the death, in ms (`last_request_after_plane_died_ms`)."""
+        calls = [(e.sent_ns or e.at_ns) - died_ns for a in agents
+                 for e in await self.day.endpoints.puppet.actions(a["id"])]
+        after = [ns for ns in calls if ns > 0]
+        self.day.measurements["last_request_after_plane_died_ms"] = round(
+            max(after, default=0) / 1e6, 1)
+        late = [round(ns / 1e6) for ns in after if ns > slack_s * 1e9]
+        rule(not late, f"daemons kept calling their model after their control plane died "
+             f"(ms after its death: {late}), more than {slack_s} s: they did not fail closed")
+        exits = await self.day.daemon_exits(sandbox_ids)
+        if exits is None:
+            self.day.notes.append(f"the {self.day.stack} stack's daemon exits are not on this "
+                                  "machine: exit codes not checked")
+            return
+
+        async def all_exited() -> bool:
+            nonlocal exits
+            exits = await self.day.daemon_exits(sandbox_ids)
+            return exits is not None and all(e.code is not None for e in exits.values())
+        with contextlib.suppress(AssertionError):  # the rule below says what is missing
+            await eventually(all_exited, deadline_s, "daemons exited")
+        seen = Counter(f"{e.code} ({e.why[:100]})" for e in (exits or {}).values())
+        self.day.notes.append(f"the daemons' exits: {dict(seen)}")
+        wrong = {s[:8]: (e.code, e.why[:120]) for s, e in (exits or {}).items()
+                 if e.code != 3 or not any(w in e.why for w in WHYS_OF_A_SWITCH)}
+        rule(not wrong, f"daemons that lost their control plane did not fail closed (exit 3, "
+             f"saying why): {wrong}")
+
     async def nothing_in_progress(self, after: str) -> None:
         """No task of the game day is in progress any more."""
         left = [t["id"] for t in (await self.day.read_tasks()).values()
@@ -312,3 +355,68 @@ class Expect:
         r = await security.resume_fleet()
         rule(r.status_code == 200, f"the fleet resume was refused: {r.status_code} {r.text}")
         return await self.day.until.all_tasks_done()
+
+    async def kill_carried_out(self, agent: dict[str, Any], answer: dict[str, Any],
+                               deadline_s: float = 30) -> set[str]:
+        """A kill of one agent that answered `answer` did its work: the tasks read right
+        after its ok (what it left open, for the requeue checkers), no sandbox of the agent
+        starting or running any more, and every daemon of a session it stopped exited 3."""
+        await self.day.read_tasks()
+        await self.day.until.all_sandboxes_gone([agent], deadline_s)
+        return await self.daemons_obeyed([agent], set(answer["sessions_cancelled"]))
+
+    async def lost_database_failed_closed(self, agents: list[dict[str, Any]],
+                                          cut: FaultRecord, margin_s: float, held_by: str,
+                                          lost: str, figure: str) -> float:
+        """The daemons `held_by` held (a replica) stop within their lease once it loses
+        `lost` (its database, cut by the nemesis in `cut`), whatever it is doing: nothing of
+        them is left on the machine within the lease + `margin_s`, and the puppet's ledger
+        shows no model call after that. How long they took is measured as `figure` (s);
+        returns it."""
+        bound_s = self.day.lease_s + margin_s
+        refs: list[AgentRef] = list(agents)
+        await self.day.until.nothing_left_of(
+            refs, bound_s, f"a daemon {held_by} held ran on with {held_by} cut off from "
+            f"{lost} (or its sandbox was left behind): its lease did not fail closed")
+        gone_s = (time.time_ns() - cut.started_ns) / 1e9
+        self.day.measurements[figure] = gone_s
+        self.day.notes.append(f"{held_by}'s daemons were gone {gone_s:.2f} s after "
+                              f"{held_by} lost {lost} (lease {self.day.lease_s} s)")
+        await self.no_model_call_between(
+            agents, cut.started_ns + round(bound_s * 1e9), None,
+            f"daemons of {held_by} called their model more than the lease + {margin_s} s "
+            f"after {held_by} lost {lost}: they did not fail closed")
+        return gone_s
+
+    async def trip_alerts_name(self, agents: Iterable[dict[str, Any]], *words: str,
+                               what: str) -> None:
+        """Security was alerted of each agent's guard trip (`agent_tripped`), in an alert
+        that names the agent and holds every one of `words`; `what` says what they stand
+        for."""
+        alerts = [n["title"] for n in json_of(await self.day.people["security"].notifications())
+                  if n["kind"] == "agent_tripped"]
+        for a in agents:
+            alert = next((t for t in alerts if a["slug"] in t), None)
+            rule(alert is not None and all(w in alert for w in words),
+                 f"no alert names agent {a['slug']}, {what}: {alerts}")
+
+    async def held_by_the_guard(self, agents: list[dict[str, Any]], owner: Operator,
+                                security: Operator, layer: str) -> None:
+        """Agents their guard's `layer` stopped are held (DESIGN §2.4): the owner's wake of
+        the first is refused (409), and a fleet stop and resume leaves every one stopped."""
+        r = await owner.wake(agents[0])
+        rule(r.status_code == 409, f"a wake restarted an agent its guard had stopped: {r.text}")
+        json_of(await security.kill_fleet())
+        woken = set(json_of(await security.resume_fleet())["agents_woken"])
+        held = {a["id"]: json_of(await self.auditor.agent(a["id"])) for a in agents}
+        rule(not woken & set(held) and all(a["killed"] for a in held.values()),
+             f"the fleet resume released agents their {layer} guard had stopped: only a "
+             "changed task or a human may")
+
+    async def still_held_by_the_guard(self, agent: dict[str, Any], layer: str) -> None:
+        """An agent its guard's `layer` stopped, whose task nobody changed and whom nobody
+        resumed, is still stopped by the guard."""
+        still = json_of(await self.auditor.agent(agent["id"]))
+        rule(still["killed"] and still["kill_origin"] == "guard",
+             f"an agent its {layer} guard stopped was released although nobody changed its "
+             "task or resumed it")

@@ -22,6 +22,7 @@ from harness.stack.waiting import eventually
 
 if TYPE_CHECKING:
     from harness.act.client import CoveyClient
+    from harness.act.puppet import LedgerEntry
     from harness.nemesis import FaultRecord
     from harness.record.gameday import GameDay
 
@@ -73,9 +74,11 @@ class Operator:
         return await self.day.operate(self.role, "resume_agent", {"agent_id": a},
                                       lambda: self.client.resume_agent(a))
 
-    async def kill_fleet(self) -> httpx.Response:
-        return await self._around_a_kill(self.day.operate(self.role, "kill_fleet", {},
-                                                          self.client.kill_fleet))
+    async def kill_fleet(self, read_first: bool = True) -> httpx.Response:
+        """`read_first=False`: the scenario has read the tasks itself, right before (a plane
+        it froze to hold the kill would hold that read, for up to READ_BEFORE_KILL_S)."""
+        kill = self.day.operate(self.role, "kill_fleet", {}, self.client.kill_fleet)
+        return await (self._around_a_kill(kill) if read_first else kill)
 
     async def resume_fleet(self) -> httpx.Response:
         return await self.day.operate(self.role, "resume_fleet", {}, self.client.resume_fleet)
@@ -174,6 +177,25 @@ class Until:
             for agent_id in ids:
                 await self.day.remains(agent_id)
 
+    async def sessions_over(self, agents: list[AgentRef], session_ids: set[str],
+                            deadline_s: float, broken: str) -> None:
+        """None of these sessions of these agents is starting or running any more, as the
+        control plane says; `broken` says which rule one still live breaks."""
+        ids = self._agents(agents)
+        live: list[str] = []
+
+        async def over() -> bool:
+            live.clear()
+            for agent_id in ids:
+                live.extend(s["id"] for s in json_of(
+                    await self.day.reader(agent_id).sessions(agent_id))
+                    if s["id"] in session_ids and s["state"] in ("starting", "running"))
+            return not live
+        try:
+            await eventually(over, deadline_s, broken)
+        except AssertionError:
+            raise AssertionError(f"{broken} after {deadline_s:.0f} s: {live}") from None
+
     async def all_working(self, agents: list[AgentRef] | None = None,
                           deadline_s: float = 120) -> dict[str, dict[str, Any]]:
         """Every one of these agents has a task in progress; returns every task read."""
@@ -208,8 +230,10 @@ class Until:
     async def fault_healed(self, fault: FaultRecord, deadline_s: float, what: str
                            ) -> FaultRecord:
         """The nemesis healed this fault (at its deadline, or earlier); returns the healed
-        record, with when it healed."""
+        record, with when it healed. A proxy in a container heals on its own deadline
+        there: its log is read each time."""
         async def healed() -> FaultRecord | None:
+            await self.day.endpoints.nemesis.refresh()
             return next((r for r in self.day.endpoints.nemesis.faults()
                          if r.id == fault.id and r.healed), None)
         record: FaultRecord = await eventually(healed, deadline_s, f"{what} never healed")
@@ -217,9 +241,7 @@ class Until:
 
     async def healthy(self, deadline_s: float, message: str) -> None:
         """The control plane answers its /healthz with 200 (it reached its database)."""
-        async def answers() -> bool:
-            return (await self.day.people["auditor"].http.get("/healthz")).status_code == 200
-        await eventually(answers, deadline_s, message)
+        await self.healthy_at(self.day.endpoints.url, deadline_s, message)
 
     async def all_tasks_done_of(self, agents: list[AgentRef]) -> bool:
         """One look (not a wait): is every task of these agents done?"""
@@ -282,3 +304,60 @@ class Until:
             stopped, deadline_s, f"the guard's {layer} layer never stopped agent {agent_id}",
             impossible=otherwise)
         return found
+
+    async def steady_work(self, agents: list[dict[str, Any]], deadline_s: float = 120
+                          ) -> dict[str, Any]:
+        """The fleet at work: every one of these agents whose behaviour never finishes on its
+        own holds a task in progress, and work is seen moving (a task done) when a
+        well-behaved one is among them. Returns the steady state, for the journal."""
+        async def steady() -> dict[str, Any] | None:
+            tasks = await self.day.read_tasks()
+            held = {t["agent_id"] for t in tasks.values() if t["state"] == "in_progress"}
+            done = sum(t["state"] == "done" for t in tasks.values())
+            if all(a["id"] in held for a in agents if a["behaviour"] != "well_behaved") and (
+                    done or all(a["behaviour"] != "well_behaved" for a in agents)):
+                return {"tasks_in_progress": len(held), "tasks_done": done,
+                        "agents": len(agents)}
+            return None
+        found: dict[str, Any] = await eventually(
+            steady, deadline_s, "no steady state: agents not working",
+            impossible=self.day.why_work_cannot_finish)
+        return found
+
+    async def tool_calls(self, agent: AgentRef, tool: str, containing: str, at_least: int,
+                         deadline_s: float, message: str) -> list[LedgerEntry]:
+        """The agent's model (the puppet's ledger, outside the system under test) asked for
+        `tool` with `containing` in its command at least `at_least` times; returns those
+        calls. `message` says what never happened."""
+        agent_id = _id(agent)
+
+        async def called() -> list[LedgerEntry] | None:
+            calls = [e for e in await self.day.endpoints.puppet.actions(agent_id)
+                     if e.tool == tool and containing in e.args.get("cmd", "")]
+            return calls if len(calls) >= at_least else None
+        found: list[LedgerEntry] = await eventually(called, deadline_s, message)
+        return found
+
+    async def sessions_held(self, agents: list[AgentRef],
+                            holds: Callable[[dict[str, Any]], bool], at: str,
+                            deadline_s: float, message: str) -> None:
+        """Every one of these agents has a running session, each held as `holds` says (a
+        replica's `Replica.holds`), read from the control plane at `at` (a replica's URL)."""
+        auditor = self.day.as_("auditor", at=at).client
+        ids = self._agents(agents)
+
+        async def held() -> bool:
+            for agent_id in ids:
+                live = [s for s in json_of(await auditor.sessions(agent_id))
+                        if s["state"] == "running"]
+                if not live or not all(holds(s) for s in live):
+                    return False
+            return True
+        await eventually(held, deadline_s, message)
+
+    async def healthy_at(self, url: str, deadline_s: float, message: str) -> None:
+        """The control plane at `url` (another replica) answers its /healthz with 200."""
+        async def answers() -> bool:
+            return (await self.day.people["auditor"].http.get(f"{url}/healthz")
+                    ).status_code == 200
+        await eventually(answers, deadline_s, message)

@@ -33,6 +33,7 @@ from harness.judge.checkers import (
 )
 from harness.judge.costs import LAST_SYNC, RESTORED, spend_beyond_cap
 from harness.judge.stops import stops
+from harness.judge.time_to_stop import time_to_stop
 from harness.record.history import History, Operation
 
 BOUND_PREFIX = "within_bound:"
@@ -216,6 +217,20 @@ def spend_beyond_cap_usd(history: History, final: FinalState) -> Reading:
                    f"budget)")
 
 
+def slowest_stop_ms(history: History, final: FinalState) -> Reading:
+    """The longest time from a kill's request until its agent was stopped in every respect
+    measured (time-to-stop's total): the time the page's headline leads with."""
+    samples = [s for s in time_to_stop(history, final) if s.total_ns is not None]
+    if not samples:
+        return Reading(None, "no stop was measured (no kill covered an agent, or nothing of "
+                             "its stop was seen)")
+    worst = max(samples, key=lambda s: s.total_ns or 0)
+    return Reading((worst.total_ns or 0) / 1e6,
+                   f"agent {worst.agent_id} after the {worst.kill_f} requested at event "
+                   f"{worst.kill_index} ({len(samples)} stop(s) measured)",
+                   (worst.kill_index,))
+
+
 FigureReader = Callable[[History, FinalState], Reading]
 # name: (reader, unit)
 FIGURES: dict[str, tuple[FigureReader, str]] = {
@@ -224,6 +239,7 @@ FIGURES: dict[str, tuple[FigureReader, str]] = {
     "request_to_last_action_ms": (request_to_last_action_ms, "ms"),
     "files_lost_beyond_last_sync": (files_lost_beyond_last_sync, "files"),
     "spend_beyond_cap_usd": (spend_beyond_cap_usd, "usd"),
+    "slowest_stop_ms": (slowest_stop_ms, "ms"),
 }
 KNOWN_BOUNDS = frozenset(BOUND_PREFIX + name for name in FIGURES)
 

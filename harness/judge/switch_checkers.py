@@ -37,6 +37,7 @@ from harness.judge.checkers import (
     _ms,
     _sentence,
 )
+from harness.judge.sessions import SESSION_CHECKERS
 from harness.judge.stops import KILL_SCOPES, holding, stops
 from harness.record.history import History
 
@@ -442,6 +443,6 @@ SWITCH_CHECKERS: tuple[Checker, ...] = (
 )
 
 # Every checker a scenario may name in its `checkers` or `decides` marker.
-CATALOGUE: tuple[Checker, ...] = (*ALL_CHECKERS, *SWITCH_CHECKERS)
+CATALOGUE: tuple[Checker, ...] = (*ALL_CHECKERS, *SWITCH_CHECKERS, *SESSION_CHECKERS)
 
 

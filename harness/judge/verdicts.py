@@ -31,7 +31,8 @@ VALUE_CHARS = 200
 # bounded figures, then what follows from them (work requeued, done once after resume). A
 # reader fixes the first line first; the later ones are often its consequences.
 RULE_ORDER = ("kill_obeyed", "kill_confirmed_within_lease", "nothing_left_of_killed_agent",
-              "no_sandbox_alive_after_stop", "no_action_after_kill_ack", BOUND_PREFIX,
+              "no_sandbox_alive_after_stop", "no_session_outlives_kill", "no_action_after_kill_ack",
+              "late_result_refused", BOUND_PREFIX,
               "no_wake_of_stopped_agent", "wake_paths_refused_while_stopped",
               "fleet_resume_keeps_own_kills", "stopped_tool_not_run", "no_blind_restart_after_trip",
               "in_progress_requeued", "home_is_last_sync", "no_task_lost", "none_done_twice",

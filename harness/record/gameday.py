@@ -22,7 +22,7 @@ from faker import Faker
 from harness.act.client import CoveyClient, json_of
 from harness.act.dialect import COVEY_GAMEDAY, dialect, sign_in
 from harness.act.expect import Expect
-from harness.act.operator import Operator, Until
+from harness.act.operator import RECORDING_PAGE, Operator, Until
 from harness.act.puppet import Behaviour, behaviour_name, resolve
 from harness.act.upstream import MockDirectives
 from harness.judge.bounds import BOUND_PREFIX, Figure, bounded_figures
@@ -42,11 +42,12 @@ from harness.judge.checkers import (
     judge_all,
 )
 from harness.judge.costs import Measure
+from harness.judge.sessions import TASK_RESULT_F
 from harness.judge.switch_checkers import LEASE_F, SANDBOX_F, WAKE_REFUSALS_F
 from harness.judge.time_to_stop import TimeToStop, summarize, time_to_stop
 from harness.judge.verdicts import NOT_JUDGEABLE, broken_rules
 from harness.record.history import History
-from harness.record.remains import remains_of
+from harness.record.remains import DaemonExit, daemon_exits, remains_of
 from harness.run.rollback import roll_back_loudly
 from harness.run.steady import prepare
 from harness.stack.base import Endpoints
@@ -58,6 +59,8 @@ ROLES = ("agent_owner", "security", "auditor", "controlling")
 GAME_DAY_MAX_TURNS = 10_000
 GAME_DAY_GUARD = {"max_tokens": 10_000_000, "max_tool_calls": 100_000, "max_wall_s": 3600.0}
 OBSERVER = "observer"
+# The operations that are switches (kill, resume, a global or tool stop and their release).
+SWITCH_PREFIXES = ("kill_", "resume_", "stop_", "clear_")
 
 
 def _ns(timestamp: str | None) -> int | None:
@@ -346,7 +349,15 @@ class GameDay:
             raise
         outcome: Literal["ok", "fail", "info"] = (
             "ok" if r.is_success else "info" if r.status_code == 503 else "fail")
-        phases.info("%s: %s answered %s", role, f, r.status_code)
+        # The live output shows the switches and every refusal; a routine success (a task
+        # created, a wake that started a session) is only in the history: 14 lines of
+        # `create_task answered 201` once hid the kill among them.
+        if r.is_success and not f.startswith(SWITCH_PREFIXES):
+            phases.debug("%s: %s answered %s", role, f, r.status_code)
+        elif r.is_success:
+            phases.info("%s pulled %s: answered %s", role, f, r.status_code)
+        else:
+            phases.info("%s: %s refused with %s", role, f, r.status_code)
         body = r.json() if r.headers.get("content-type", "").startswith("application/json") \
             else {}
         result: dict[str, Any] = {"status": r.status_code, "body": body}
@@ -440,6 +451,22 @@ class GameDay:
         rows: list[dict[str, Any]] = json_of(await self.reader(agent_id).sandboxes(agent_id))
         return rows
 
+    async def live_sessions(self, agents: list[dict[str, Any]]) -> dict[str, str]:
+        """The sessions of these agents that are starting or running now, each with its
+        sandbox (session id: sandbox id), as the control plane says."""
+        live = {}
+        for a in agents:
+            for s in json_of(await self.reader(a["id"]).sessions(a["id"])):
+                if s["state"] in ("starting", "running"):
+                    live[s["id"]] = s["sandbox_id"]
+        return live
+
+    async def daemon_exits(self, sandbox_ids: list[str]) -> dict[str, DaemonExit] | None:
+        """How these sandboxes' daemons ended, read on this machine (harness/record/remains.py)
+        rather than asked of the control plane; None where the stack's sandboxes are not here."""
+        return await asyncio.to_thread(daemon_exits, self.stack, sandbox_ids,
+                                       self.endpoints.data_dir)
+
     async def copy_ledger(self) -> None:
         """The puppet model's ledger into the history: each request an agent made is an
         action, at the time the model saw it and with the time its daemon sent it, with the
@@ -495,6 +522,23 @@ class GameDay:
                     self.history.observe(OBSERVER, KILL_DELIVERY_F, delivery,
                                          time_ns=delivery["sent_ns"])
 
+    async def copy_task_results(self) -> None:
+        """Each result a daemon reported for a task, as the control plane recorded it in the
+        agent's recording (taken, or rejected and why), by the session that reported it."""
+        for agent_id in self.agents:
+            seen = 0
+            while True:
+                page = json_of(await self.reader(agent_id).recording(agent_id, after=seen))
+                for e in page:
+                    seen = max(seen, int(e["id"]))
+                    if e["kind"] == "task" and e["status"] in ("done", "blocked", "rejected"):
+                        self.history.observe(OBSERVER, TASK_RESULT_F, {
+                            "agent_id": agent_id, "session_id": e["session_id"],
+                            "task_id": e["detail"].get("task_id"), "status": e["status"],
+                            "why": e["detail"].get("why")}, time_ns=_ns(e["at"]))
+                if len(page) < RECORDING_PAGE:
+                    break
+
     async def final_state(self) -> FinalState:
         tasks: dict[str, FinalTask] = {}
         agents: dict[str, FinalAgent] = {}
@@ -542,6 +586,10 @@ class GameDay:
                                               "samples_ns": [asdict(s) for s in samples]},
                              **self.measurements},
             "verdicts": [asdict(v) for v in verdicts],
+            # What the page needs to tell a failure from a quiet "not judged": the checkers
+            # this game day had to decide, and the rule it saw broken as it went on.
+            "required": sorted(self.required),
+            "seen_broken": self.seen_broken,
             "notes": self.notes,
             "history": history_path.name,
             **self.journal_sections,
@@ -579,6 +627,7 @@ class GameDay:
             "statuses": {path: status for path, (status, _) in refusals.items()}})
         await self.copy_ledger()
         await self.copy_sandboxes_and_sessions()
+        await self.copy_task_results()
         return await self.final_state()
 
     async def roll_back(self) -> None:

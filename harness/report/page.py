@@ -26,13 +26,22 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup
 from plotly.offline import get_plotlyjs
 
+from harness.judge.stops import stops
 from harness.judge.time_to_stop import PARTS, TOTAL
-from harness.record.history import Event, History
+from harness.record.history import Event, History, Operation
+from harness.report.answer import answer, required_of
+from harness.report.answer import replay_command as answer_replay
 
 OPERATORS = "operators"
 NS = 1_000_000_000
+MS = 1_000_000
 FLEET_KILL, AGENT_KILL = "kill_fleet", "kill_agent"
-OUTCOME_COLOURS = {"ok": "#2e7d32", "fail": "#c62828", "info": "#f9a825"}
+OUTCOME_COLOURS = {"ok": "#2e7d32", "refused": "#78909c", "fail": "#c62828",
+                   "info": "#f9a825"}
+# A wake path answering 409 while a stop stands is the stop holding (DESIGN §2.3.3), not an
+# operation failing: drawn grey as "refused", never red.
+REFUSAL_STATUS = 409
+WAKE_PATHS = ("wake", "fire_heartbeat", "trigger")
 PERCENTILE_COLOURS = {"p50": "#1b5e20", "p90": "#ef6c00", "p99": "#b71c1c"}
 PART_LABELS = {"kill_acknowledged": "kill acknowledged", "last_action": "last agent action",
                "daemon_exit": "daemon exit", "sandbox_gone": "sandbox gone",
@@ -74,12 +83,19 @@ TEMPLATES = Environment(loader=PackageLoader("harness.report", "templates"),
 
 @dataclass(frozen=True)
 class Clock:
-    """Seconds since the game day's first event: what the timeline's axis reads."""
+    """Milliseconds from the switch (the first kill's request; with no kill, the game day's
+    first event): what the timeline's axis and every time on the page read. A time before
+    the switch is negative."""
 
     zero_ns: int
+    switched: bool = True
 
-    def s(self, time_ns: int) -> float:
-        return round((time_ns - self.zero_ns) / NS, 6)
+    def ms(self, time_ns: int) -> float:
+        return round((time_ns - self.zero_ns) / MS, 3)
+
+    @property
+    def origin(self) -> str:
+        return "the switch" if self.switched else "the game day's first event"
 
 
 def write_page(journal_path: Path, standalone: bool = False) -> Path:
@@ -89,7 +105,8 @@ def write_page(journal_path: Path, standalone: bool = False) -> Path:
     history_path = journal_path.with_name(journal.get("history") or "")
     history = History.from_jsonl(history_path) if history_path.is_file() else History()
     page = journal_path.with_suffix(".html")
-    page.write_text(render_page(journal, history, plotly_script(page.parent, standalone)))
+    page.write_text(render_page(journal, history, plotly_script(page.parent, standalone),
+                                 journal_path))
     return page
 
 
@@ -114,17 +131,19 @@ def plotly_script(report_dir: Path, standalone: bool = False) -> Markup:
 
 
 def render_page(journal: dict[str, Any], history: History,
-                plotly: Markup | None = None) -> str:
+                plotly: Markup | None = None, journal_path: Path | None = None) -> str:
     """The page's HTML; `plotly`: the chart script's tags (default: inlined)."""
     events = sorted(history, key=lambda e: e.time_ns)
-    zero = min([e.time_ns for e in events] + [f["started_ns"] for f in journal["faults"]],
-               default=_ns(journal["started_at"]))
-    clock = Clock(zero)
+    kills = [s.kill.start_ns for s in stops(history)]
+    first = min([e.time_ns for e in events] + [f["started_ns"] for f in journal["faults"]],
+                default=_ns(journal["started_at"]))
+    clock = Clock(min(kills), True) if kills else Clock(first, False)
     lanes = agent_lanes(journal)
     evidence = {i: history[i] for v in journal["verdicts"] for i in v["evidence"]
                 if 0 <= i < len(history)}
+    told = answer(journal, journal_path)
     return TEMPLATES.get_template("gameday.html").render(
-        journal=journal, replay=replay_command(journal),
+        journal=journal, answer=told, replay=told.replay,
         plotly=plotly if plotly is not None else Markup("<script>") + Markup(get_plotlyjs())
         + Markup("</script>"),
         timeline=timeline(journal, history, clock, lanes).to_html(
@@ -134,20 +153,26 @@ def render_page(journal: dict[str, Any], history: History,
             full_html=False, include_plotlyjs=False, div_id="time-to-stop",
             config={"displaylogo": False, "responsive": True}),
         parts=part_rows(journal), evidence=evidence, clock=clock, lanes=lanes,
-        faults=[{**f, "start_s": clock.s(f["started_ns"]),
-                 "end_s": clock.s(f["healed_ns"]) if f["healed_ns"] else None}
+        faults=[{**f, "start_ms": clock.ms(f["started_ns"]),
+                 "end_ms": clock.ms(f["healed_ns"]) if f["healed_ns"] else None}
                 for f in journal["faults"]],
-        failed=[v for v in journal["verdicts"] if v["valid"] is not True],
-        rendered_at=datetime.now(UTC).isoformat(timespec="seconds"))
+        required=required_of(journal), ran=ran(journal),
+        rendered_at=datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"))
 
 
-def replay_command(journal: dict[str, Any]) -> str:
-    """The command that replays this game day: the same scenario, stack, seed and agents."""
-    scenario = journal.get("scenario") or f"scenarios -k {journal['game_day']}"
-    dialect = journal.get("dialect", "covey-gameday")
-    return (f"pytest {scenario} --stack {journal['stack']} --seed {journal['seed']} "
-            f"--agents {len(journal['agents'])}"
-            + (f" --dialect {dialect}" if dialect != "covey-gameday" else ""))
+def ran(journal: dict[str, Any]) -> str:
+    """When the game day ran, to the second, and how long: not two ISO strings with
+    microseconds."""
+    start = datetime.fromisoformat(journal["started_at"])
+    end = datetime.fromisoformat(journal["ended_at"])
+    took = (end - start).total_seconds()
+    return (f"{start.astimezone(UTC):%Y-%m-%d %H:%M:%S} → {end.astimezone(UTC):%H:%M:%S} UTC "
+            f"({took:.0f} s)")
+
+
+def replay_command(journal: dict[str, Any], journal_path: Path | None = None) -> str:
+    """The command that replays this game day (harness/report/answer.py)."""
+    return answer_replay(journal, journal_path)
 
 
 def agent_lanes(journal: dict[str, Any]) -> dict[str, str]:
@@ -163,36 +188,36 @@ def timeline(journal: dict[str, Any], history: History, clock: Clock,
     sessions = session_spans(history, lanes)
     fig.add_trace(go.Bar(
         name="session", orientation="h", y=[s[0] for s in sessions],
-        base=[clock.s(s[1]) for s in sessions], x=[(s[2] - s[1]) / NS for s in sessions],
+        base=[clock.ms(s[1]) for s in sessions], x=[(s[2] - s[1]) / MS for s in sessions],
         marker={"color": "rgba(66, 133, 244, 0.25)", "line": {"width": 0}}, width=0.6,
-        hovertemplate="session %{base:.3f} s for %{x:.3f} s<extra></extra>"))
+        hovertemplate="session from %{base:.1f} ms for %{x:.1f} ms<extra></extra>"))
     points: dict[str, list[tuple[str, float, str]]] = defaultdict(list)
     for e in history:
         lane = lanes.get(e.agent_id or "")
         if e.f == "action" and lane:
             points["agent action (puppet ledger)"].append(
-                (lane, clock.s(e.time_ns), f"step {e.value.get('step')}"))
+                (lane, clock.ms(e.time_ns), f"step {e.value.get('step')}"))
         elif e.f == "daemon_exit" and lane:
             code = e.value.get("exit_code")
             meaning = EXIT_MEANINGS.get(code, "unknown code") if isinstance(code, int) \
                 else "unknown code"
             name = f"daemon exit {code} ({meaning})"
-            points[name].append((lane, clock.s(e.time_ns), f"exit {code}"))
+            points[name].append((lane, clock.ms(e.time_ns), f"exit {code}"))
         elif e.f == "sandbox_gone" and lane:
-            points["sandbox gone"].append((lane, clock.s(e.time_ns), "sandbox gone"))
+            points["sandbox gone"].append((lane, clock.ms(e.time_ns), "sandbox gone"))
     for sample in journal["measurements"]["time_to_stop"]["samples_ns"]:
         lane = lanes.get(sample["agent_id"])
         kill = history[sample["kill_index"]] if sample["kill_index"] < len(history) else None
         if lane and kill is not None and sample["tasks_requeued_ns"] is not None:
             points["tasks requeued"].append(
-                (lane, clock.s(kill.time_ns + sample["tasks_requeued_ns"]), "tasks open again"))
+                (lane, clock.ms(kill.time_ns + sample["tasks_requeued_ns"]), "tasks open again"))
     for name, rows in sorted(points.items()):
         symbol, colour, size = SYMBOLS.get(name, ("x", "#c62828", 11))
         fig.add_trace(go.Scatter(
             name=name, mode="markers", y=[r[0] for r in rows], x=[r[1] for r in rows],
             text=[r[2] for r in rows], marker={"symbol": symbol, "color": colour,
                                                "size": size},
-            hovertemplate="%{text} at %{x:.3f} s<extra>%{fullData.name}</extra>"))
+            hovertemplate="%{text} at %{x:.1f} ms<extra>%{fullData.name}</extra>"))
     operator_trace(fig, history, clock, lanes)
     kill_shapes, kill_notes = kill_lines(history, clock)
     fault_shapes, fault_notes = fault_windows(journal, clock)
@@ -200,7 +225,8 @@ def timeline(journal: dict[str, Any], history: History, clock: Clock,
     fig.update_layout(
         shapes=shapes, annotations=annotations, barmode="overlay",
         height=160 + 30 * len(order), margin={"l": 10, "r": 10, "t": 40, "b": 40},
-        xaxis={"title": {"text": "seconds since the game day began"}, "zeroline": False},
+        xaxis={"title": {"text": f"ms after {clock.origin}"}, "zeroline": clock.switched,
+               "zerolinecolor": "#b71c1c"},
         yaxis={"type": "category", "categoryorder": "array",
                "categoryarray": list(reversed(order)), "automargin": True},
         legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"},
@@ -241,17 +267,25 @@ def operator_trace(fig: go.Figure, history: History, clock: Clock,
         end = op.end_ns if op.end_ns is not None else end_of_day
         target = lanes.get(op.agent_id or "", "")
         status = op.value.get("status", "")
-        rows.append((clock.s(op.start_ns), max((end - op.start_ns) / NS, 0.002), op.type,
+        rows.append((clock.ms(op.start_ns), max((end - op.start_ns) / MS, 2.0), outcome_of(op),
                      f"{op.f} by {op.process.removeprefix('operator:')} {target} → "
-                     f"{op.type} {status}".strip()))
+                     f"{outcome_of(op)} {status}".strip()))
     for outcome, colour in OUTCOME_COLOURS.items():
         mine = [r for r in rows if r[2] == outcome]
         if mine:
             fig.add_trace(go.Bar(
-                name=f"operation {outcome}", orientation="h", y=[OPERATORS] * len(mine),
+                name="refused (409, as it should while stopped)" if outcome == "refused"
+                else f"operation {outcome}", orientation="h", y=[OPERATORS] * len(mine),
                 base=[r[0] for r in mine], x=[r[1] for r in mine], text=[r[3] for r in mine],
                 marker={"color": colour}, width=0.5, textposition="none",
-                hovertemplate="%{text}<br>at %{base:.3f} s, %{x:.3f} s<extra></extra>"))
+                hovertemplate="%{text}<br>at %{base:.1f} ms, took %{x:.1f} ms<extra></extra>"))
+
+
+def outcome_of(op: Operation) -> str:
+    """ok, refused (a wake path's 409: the stop held, DESIGN §2.3.3), fail or info."""
+    if op.type == "fail" and op.f in WAKE_PATHS and op.value.get("status") == REFUSAL_STATUS:
+        return "refused"
+    return str(op.type)
 
 
 def kill_lines(history: History, clock: Clock) -> tuple[list[dict[str, Any]],
@@ -264,12 +298,12 @@ def kill_lines(history: History, clock: Clock) -> tuple[list[dict[str, Any]],
             continue
         ends = [(op.start_ns, "solid")] + ([(op.end_ns, "dot")] if op.end_ns else [])
         for at, dash in ends:
-            shapes.append({"type": "line", "xref": "x", "yref": "paper", "x0": clock.s(at),
-                           "x1": clock.s(at), "y0": 0, "y1": 1, "name": "fleet-kill",
+            shapes.append({"type": "line", "xref": "x", "yref": "paper", "x0": clock.ms(at),
+                           "x1": clock.ms(at), "y0": 0, "y1": 1, "name": "fleet-kill",
                            "line": {"color": "#b71c1c", "width": 1.5, "dash": dash}})
         answered = (f", answered in {(op.end_ns - op.start_ns) / 1e6:.0f} ms"
                     if op.end_ns else ", answer never seen")
-        annotations.append({"x": clock.s(op.start_ns), "y": 1, "xref": "x", "yref": "paper",
+        annotations.append({"x": clock.ms(op.start_ns), "y": 1, "xref": "x", "yref": "paper",
                             "xanchor": "right", "yanchor": "bottom", "showarrow": False,
                             "text": f"fleet switch pulled by "
                                     f"{op.process.removeprefix('operator:')}{answered}",
@@ -285,11 +319,11 @@ def fault_windows(journal: dict[str, Any], clock: Clock) -> tuple[list[dict[str,
     for f in journal["faults"]:
         end = f["healed_ns"] or f["heals_at_ns"]
         shapes.append({"type": "rect", "xref": "x", "yref": "paper",
-                       "x0": clock.s(f["started_ns"]), "x1": clock.s(end), "y0": 0, "y1": 1,
+                       "x0": clock.ms(f["started_ns"]), "x1": clock.ms(end), "y0": 0, "y1": 1,
                        "name": f"fault:{f['id']}", "layer": "below", "line": {"width": 0},
                        "fillcolor": "rgba(229, 57, 53, 0.12)" if f["healed_ns"]
                        else "rgba(229, 57, 53, 0.35)"})
-        annotations.append({"x": clock.s(f["started_ns"]), "y": 0, "xref": "x",
+        annotations.append({"x": clock.ms(f["started_ns"]), "y": 0, "xref": "x",
                             "yref": "paper", "xanchor": "left", "yanchor": "bottom",
                             "showarrow": False, "font": {"size": 11, "color": "#b71c1c"},
                             "text": f"{f['kind']} {f['target']}"
@@ -330,9 +364,13 @@ def distribution(journal: dict[str, Any]) -> go.Figure:
 
 
 def part_rows(journal: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each part's percentiles in ms; a percentile never above the max (a journal written
+    before summarize capped them could hold 198.3 against 198.2)."""
     summary = journal["measurements"]["time_to_stop"]["summary_us"]
-    return [{"part": PART_LABELS.get(part, part), **{k: v / 1000 for k, v in p.items()
-                                                      if k != "count"}, "count": p["count"]}
+    return [{"part": PART_LABELS.get(part, part), "count": p["count"],
+             "max_us": p["max_us"] / 1000,
+             **{k: min(v, p["max_us"]) / 1000 for k, v in p.items()
+                if k not in ("count", "max_us")}}
             for part, p in summary.items()]
 
 

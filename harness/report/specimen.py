@@ -16,17 +16,26 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Any
 
+from harness.judge.bounds import BOUND_PREFIX, bounded_figures
 from harness.judge.checkers import KILL_DELIVERY_F, FinalAgent, FinalState, FinalTask, check_all
 from harness.judge.time_to_stop import summarize, time_to_stop
+from harness.judge.verdicts import broken_rules
 from harness.record.history import History
 
 START_NS = 1_800_000_000 * 1_000_000_000  # a fixed wall-clock instant (2027-01-15)
 MS = 1_000_000
 FAULT_ID, FAULT_KIND, FAULT_TARGET = "control-channel-blackhole-1", "blackhole", "control-channel"
 FAULT_FROM_MS, FAULT_TO_MS = 2000, 3500
+# What fleet_stop decides (scenarios/fleet_stop.py's `decides`).
+REQUIRED = ("no_action_after_kill_ack", "each_task_done_once_after_resume",
+            "no_wake_of_stopped_agent", "every_fault_healed", "kill_obeyed")
 
 
-def specimen_game_day(agents: int = 5, seed: int = 7) -> tuple[dict[str, Any], History]:
+def specimen_game_day(agents: int = 5, seed: int = 7, bounds: dict[str, float] | None = None,
+                      late_actions: int = 0) -> tuple[dict[str, Any], History]:
+    """`bounds`: figures judged against their bounds as a scenario's `bounds` marker has them
+    (harness/judge/bounds.py), required like a real game day's; `late_actions`: actions the
+    first agent sends between the kill's request and its acknowledgement."""
     rng = random.Random(seed)
     clock = _Clock()
     history = History(clock=clock)
@@ -64,6 +73,10 @@ def specimen_game_day(agents: int = 5, seed: int = 7) -> tuple[dict[str, Any], H
             history.observe(f"agent:{agent_id}", "action", {"step": step,
                                                             "behaviour": "silent"},
                             time_ns=at(ms + rng.uniform(0, 40)))
+        for step in range(late_actions if n == 0 else 0):
+            history.observe(f"agent:{agent_id}", "action", {"step": 100 + step,
+                                                            "behaviour": "silent"},
+                            time_ns=at(5002 + step))
         sent_ms = 5010 + rng.uniform(0, 20)
         history.observe("observer", KILL_DELIVERY_F, {
             "agent_id": agent_id, "session_id": f"s1-{n}", "sent_ns": at(sent_ms),
@@ -93,6 +106,10 @@ def specimen_game_day(agents: int = 5, seed: int = 7) -> tuple[dict[str, Any], H
     final = FinalState(tasks=tasks, agents={
         a: FinalAgent(killed=False, kill_origin=None) for a in ids})
     samples = time_to_stop(history, final)
+    verdicts = check_all(history, final)
+    figures = bounded_figures(bounds or {}, history, final)
+    verdicts += [f.verdict() for f in figures]
+    required = sorted({*REQUIRED, *(BOUND_PREFIX + f.name for f in figures)})
     fault = {"id": FAULT_ID, "target": FAULT_TARGET, "kind": FAULT_KIND,
              "started_ns": at(FAULT_FROM_MS), "deadline_s": 1.5, "ms": None,
              "network": None, "heals_at_ns": at(FAULT_TO_MS),
@@ -100,7 +117,7 @@ def specimen_game_day(agents: int = 5, seed: int = 7) -> tuple[dict[str, Any], H
     journal = {
         "game_day": f"specimen_fleet_stop_{agents}",
         "scenario": "scenarios/fleet_stop.py::test_fleet_stop",
-        "status": "completed",
+        "status": "failed" if broken_rules(verdicts, required) else "completed",
         "started_at": _iso(START_NS), "ended_at": _iso(at(10_000)),
         "stack": "processes", "dialect": "covey-gameday", "seed": seed,
         "versions": {"covey": "specimen", "python": "3"},
@@ -113,8 +130,11 @@ def specimen_game_day(agents: int = 5, seed: int = 7) -> tuple[dict[str, Any], H
                           "unhealed": [], "faults": [fault]},
         "measurements": {"time_to_stop": {
             "summary_us": {p: asdict(v) for p, v in summarize(samples).items()},
-            "samples_ns": [asdict(s) for s in samples]}},
-        "verdicts": [asdict(v) for v in check_all(history, final)],
+            "samples_ns": [asdict(s) for s in samples]},
+            **({"bounded": {f.name: f.to_json() for f in figures}} if figures else {})},
+        "verdicts": [asdict(v) for v in verdicts],
+        "required": required,
+        "seen_broken": None,
         "notes": ["a specimen: made up, not measured"],
         "history": "",
     }

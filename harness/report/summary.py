@@ -11,6 +11,7 @@ import pytest
 
 from harness.record.gameday import phases
 from harness.report import runs
+from harness.report.answer import answer
 from harness.report.page import write_page
 
 JOURNALS = pytest.StashKey[list[Path]]()
@@ -66,22 +67,39 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     tr.write_sep("=", "covey game days")
     for path in journals:
         journal = json.loads(path.read_text())
-        summary = journal["measurements"]["time_to_stop"]["summary_us"]
-        stopped = {s["agent_id"] for s in journal["measurements"]["time_to_stop"]["samples_ns"]
-                   if s["daemon_exit_code"] == 3}
-        colour = {"completed": {"green": True}, "failed": {"red": True}}.get(
-            journal["status"], {"yellow": True})
-        tr.write_line(f"{journal['game_day']} on {journal['stack']}: {journal['status']}, "
-                      f"{len(journal['agents'])} agents, {len(stopped)} of them stopped "
-                      f"working by the switch (daemon exit 3), seed {journal['seed']}",
-                      bold=True, **colour)
-        for part, p in summary.items():
-            tr.write_line(f"    {part:<18} p50 {p['p50_us'] / 1000:8.1f} ms   "
-                          f"p99 {p['p99_us'] / 1000:8.1f} ms   ({p['count']} samples)")
-        for v in journal["verdicts"]:
-            if v["valid"] is not True:
-                word = "FAILED" if v["valid"] is False else "could not decide"
-                tr.write_line(f"    {v['checker']} {word}: {v['message']}", red=True)
-        tr.write_line(f"    journal {path}")
-        if path.with_suffix(".html").exists():
-            tr.write_line(f"    page    {path.with_suffix('.html')}")
+        for line, style in summary_lines(journal, path):
+            tr.write_line(line, **style)
+
+
+def summary_lines(journal: dict[str, Any], path: Path) -> list[tuple[str, dict[str, bool]]]:
+    """A game day in the terminal, answer first (harness/report/answer.py, as on its page):
+    the headline, the figures beside their bounds, what broke, what was not judged, the
+    replay, where the journal and page are."""
+    told = answer(journal, path)
+    colour = {"completed": {"green": True}, "failed": {"red": True}}.get(
+        journal["status"], {"yellow": True})
+    lines: list[tuple[str, dict[str, bool]]] = [
+        (f"{journal['game_day']} on {journal['stack']}: {journal['status']}: "
+         + " · ".join(told.headline), {"bold": True, **colour})]
+    if journal.get("aborted_reason"):
+        lines.append((f"    aborted: {journal['aborted_reason']}", {"yellow": True}))
+    for f in told.figures:
+        held = {True: "within", False: "PAST", "unknown": "NOT MEASURED against"}[f.within]
+        lines.append((f"    {f.label}: {f.value}, {held} its bound of {f.bound}",
+                      {} if f.within is True else {"red": True}))
+    summary = journal["measurements"]["time_to_stop"]["summary_us"]
+    for part, p in summary.items():
+        p99 = min(p["p99_us"], p["max_us"])
+        lines.append((f"    {part:<18} p50 {p['p50_us'] / 1000:8.1f} ms   p99 {p99 / 1000:8.1f} "
+                      f"ms   max {p['max_us'] / 1000:8.1f} ms   ({p['count']} samples)", {}))
+    for v in told.broke:
+        lines.append((f"    BROKE {v.checker} ({v.why}): {v.message}", {"red": True}))
+    if told.not_judged:
+        lines.append((f"    not judged here: {', '.join(v.checker for v in told.not_judged)} "
+                      "(nothing in this game day for them; the page says why)", {}))
+    if told.broke:
+        lines.append((f"    replay  {told.replay}", {"bold": True}))
+    lines.append((f"    journal {path}", {}))
+    if path.with_suffix(".html").exists():
+        lines.append((f"    page    {path.with_suffix('.html')}", {}))
+    return lines

@@ -217,7 +217,8 @@ async def gameday(request: pytest.FixtureRequest, reused_stack: Endpoints | None
         phases.info("%s: bringing the %s stack up", request.node.name, name)
     stack = make_stack(config) if reused_stack is None else None
     for mark, what in ((TICK_MARK, "a scheduler tick of {} ms"),
-                       (HEARTBEAT_MIN_MARK, "a heartbeat minimum of {} s")):
+                       (HEARTBEAT_MIN_MARK, "a heartbeat minimum of {} s"),
+                       (LEASE_MARK, "a kill-flag lease of {} ms")):
         asked = request.node.get_closest_marker(mark)
         if asked is None:
             continue
@@ -231,7 +232,7 @@ async def gameday(request: pytest.FixtureRequest, reused_stack: Endpoints | None
         required = required_checkers(request.node)
         day = GameDay(name=request.node.name, stack=name, endpoints=endpoints,
                       seed=_seed(config), report_dir=Path(config.getoption("--report-dir")),
-                      required=required, scenario=request.node.nodeid,
+                      required=required, scenario=replay_node(request.node),
                       checkers=chosen_checkers(request.node, required),
                       measures=chosen_measures(request.node),
                       bounds=chosen_bounds(request.node))
@@ -342,6 +343,7 @@ DECIDES = "decides"
 CHECKERS_MARK = "checkers"
 TICK_MARK = "tick_ms"
 HEARTBEAT_MIN_MARK = "heartbeat_min_s"
+LEASE_MARK = "lease_ms"
 MEASURES_MARK = "measures"
 BOUNDS_MARK = "bounds"
 
@@ -358,6 +360,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", f"{HEARTBEAT_MIN_MARK}(s): bring this game day's own stack up with this "
                    f"shortest heartbeat period (COVEY_HEARTBEAT_MIN_S; skipped with "
                    f"--reuse-stack and on a deployment)")
+    config.addinivalue_line(
+        "markers", f"{LEASE_MARK}(ms): bring this game day's own stack up with this kill-flag "
+                   f"lease (COVEY_LEASE_MS; skipped with --reuse-stack and on a deployment)")
     config.addinivalue_line(
         "markers", f"{CHECKERS_MARK}(*checkers): judge this game day with these checkers "
                    f"(and those it decides) instead of the default set")
@@ -380,6 +385,20 @@ def marked_checkers(node: pytest.Item | pytest.Collector, mark_name: str) -> fro
                                 f"{', '.join(sorted(unknown))}; checkers: "
                                 f"{', '.join(sorted(KNOWN_CHECKERS))}")
     return frozenset(names)
+
+
+def replay_node(node: pytest.Item) -> str:
+    """The test as a pytest argument that finds it again from where pytest was started: the
+    file (relative to there when under it) and the test's name. A node id alone is relative
+    to the rootdir, and once read `::test_...` with no file at all."""
+    path = Path(node.path)
+    started = node.config.invocation_params.dir
+    try:
+        where = str(path.relative_to(started))
+    except ValueError:
+        where = str(path)
+    name = node.nodeid.split("::", 1)[1] if "::" in node.nodeid else node.name
+    return f"{where}::{name}"
 
 
 def required_checkers(node: pytest.Item | pytest.Collector) -> frozenset[str]:

@@ -37,10 +37,13 @@ def test_a_game_day_shows_in_the_summary_and_in_junit(pytester: pytest.Pytester,
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines([
         "*= covey game days =*",
-        "specimen_fleet_stop_4 on processes: completed, 4 agents, 4 of them stopped working "
-        "by the switch (daemon exit 3), seed 7",
-        "*daemon_exit*p50*ms*p99*ms*(4 samples)",
-        "*in_progress_requeued FAILED: task t1 was still in progress after the kill",
+        "specimen_fleet_stop_4 on processes: completed: 4 of 4 agents stopped · slowest * ms "
+        "· 0 actions after the request · tasks of 4 agents back in the backlog · all done "
+        "once after resume",
+        "*daemon_exit*p50*ms*p99*ms*max*ms*(4 samples)",
+        "*BROKE in_progress_requeued (failed): task t1 was still in progress after the kill",
+        "*replay  pytest scenarios/fleet_stop.py::test_fleet_stop --stack processes --seed 7 "
+        "--agents 4",
         f"*journal {path}",
     ])
     properties = {p.get("name"): p.get("value") for p in ET.parse(xml).iter("property")}

@@ -125,3 +125,30 @@ def test_unknown(request):
 """)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=3)
+
+
+async def test_the_live_output_shows_switches_and_refusals_not_routine_answers(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`gameday run` shows the phases at INFO: 14 lines of `create_task answered 201` once
+    hid the kill among them."""
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/v1/fleet/kill":
+            return httpx.Response(200, json={"agents_stopped": []})
+        if request.url.path.endswith("/tasks"):
+            return httpx.Response(201, json={"id": "t1"})
+        if request.url.path.endswith("/wake"):
+            return httpx.Response(409, json={"error": "Agent or fleet is stopped",
+                                             "hint": "resume it first."})
+        return httpx.Response(404, json={"error": "Not found", "hint": ""})
+
+    day = day_with(tmp_path, answer)
+    caplog.set_level("INFO", logger="harness.record.gameday")
+    for _ in range(3):
+        await day.as_("agent_owner").create_task("a1", "routine")
+    await day.as_("security").kill_fleet()
+    await day.as_("agent_owner").wake("a1")
+    shown = [r.getMessage() for r in caplog.records
+             if r.name == "harness.record.gameday" and r.levelname == "INFO"]
+    assert shown == ["security pulled kill_fleet: answered 200",
+                     "agent_owner: wake refused with 409"], shown
+    assert len(day.history.operations("create_task")) == 3, "routine calls left the history"
