@@ -49,6 +49,8 @@ class Dialect:
     refusals: Mapping[str, tuple[int, dict[str, Any]]] = field(default_factory=lambda: {
         "fire_heartbeat": (409, STOPPED), "trigger": (409, STOPPED), "wake": (409, STOPPED)})
     notifications: bool = True  # org admins and controlling are notified of a fleet stop
+    # Whether the harness reads the agents' recording there (task results by session).
+    recording: bool = True
     # Why a game day's rollback deletes its agents there (None: it stops them and keeps
     # them, as this project's API has it).
     retires_agents: str | None = None
@@ -59,7 +61,7 @@ REGISTRY: dict[str, Dialect] = {
     UPSTREAM: Dialect(UPSTREAM, UpstreamClient, UPSTREAM_LACKS, reports=False, refusals={
         "fire_heartbeat": (409, {"error": "Agent or fleet is stopped — resume it first."}),
         "trigger": (409, {"error": "agent is stopped"}),
-        "wake": (200, {"ok": True})}, notifications=False,
+        "wake": (200, {"ok": True})}, notifications=False, recording=False,
         retires_agents="upstream's fleet resume would revive it though its own switch "
                        "stopped it"),
 }

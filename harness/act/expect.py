@@ -115,7 +115,11 @@ class Expect:
         requeued = {t for t, s in before.items() if s == "in_progress"
                     and tasks.get(t, {}).get("state") == "open"}
         rule(bool(requeued), "the fleet stop requeued none of the game day's tasks")
-        cancelled = {s["id"] for a in agents for s in await self._sessions(a["id"])
+        # The sessions it cut: those of agents it found at work (an agent finishing a task
+        # as the kill came ends its session on its own, exit 0, as no cancelled one does).
+        working = {tasks[t]["agent_id"] for t in requeued}
+        cancelled = {s["id"] for a in agents if a["id"] in working
+                     for s in await self._sessions(a["id"])
                      if _ns(s["started_at"]) < kill.start_ns
                      and (s["ended_at"] is None or _ns(s["ended_at"]) >= kill.start_ns)}
         rule(bool(cancelled), "the fleet stop found no session to stop")

@@ -52,6 +52,11 @@ UPSTREAM_LACKS: dict[str, str] = {
     "home_is_last_sync": "upstream's agent homes are not readable from the harness",
     "stopped_tool_not_run": "upstream has no tool flag and its mock engine calls no tools",
     "no_blind_restart_after_trip": "upstream's guard trips are not in its API",
+    "late_result_refused": (
+        "upstream's recording of task results by session is not read by the harness"),
+    "no_session_outlives_kill": (
+        "upstream's kill answers before its sandbox exits and names no session it cancelled; "
+        "the sandbox's end (Docker's `die`) is judged by no_sandbox_alive_after_stop"),
     # The bounded figures read from the puppet's ledger (harness/judge/bounds.py).
     **{f"within_bound:{figure}": (
         "the figure is read from the puppet's ledger of model requests, and upstream's mock "

@@ -524,7 +524,10 @@ class GameDay:
 
     async def copy_task_results(self) -> None:
         """Each result a daemon reported for a task, as the control plane recorded it in the
-        agent's recording (taken, or rejected and why), by the session that reported it."""
+        agent's recording (taken, or rejected and why), by the session that reported it;
+        none where the dialect's recording is not read (its checkers say so)."""
+        if not dialect(self.dialect_name).recording:
+            return
         for agent_id in self.agents:
             seen = 0
             while True:
