@@ -32,9 +32,11 @@ from harness.act.dialect import (
 from harness.act.upstream import WORK_S, MockDirectives, UpstreamClient
 from harness.judge.bounds import KNOWN_BOUNDS
 from harness.judge.checkers import Verdict
-from harness.judge.verdicts import KNOWN_CHECKERS, broken_rules
+from harness.judge.verdicts import KNOWN_CHECKERS, NOT_JUDGEABLE, broken_rules
 from harness.record.gameday import GameDay
 from harness.record.sandbox_events import SandboxWatch, lives_from_events, sandbox_lives, watching
+from harness.report.answer import answer
+from harness.report.specimen import specimen_game_day
 from harness.run.steady import SteadyStateNotMet, prepare
 from harness.stack.base import Endpoints, free_port
 from harness.stack.record_upstream import template
@@ -323,3 +325,12 @@ async def test_an_empty_list_upstream_answers_null_reads_as_an_empty_one() -> No
                      ("GET", "/api/v1/agents/{id}/backlog"): (200, None)})
     admin = await signed_in(replay)
     assert json_of(await admin.backlog(AGENT)) == []
+
+
+def test_the_headline_counts_no_actions_where_the_dialect_has_no_ledger() -> None:
+    journal, _ = specimen_game_day(2)
+    for v in journal["verdicts"]:
+        if v["checker"] == "no_action_after_kill_ack":
+            v.update(valid="unknown", message=f"{NOT_JUDGEABLE} upstream covey: no ledger.")
+    line = " · ".join(answer(journal).headline)
+    assert "actions after the request not seen" in line and "0 actions" not in line
