@@ -38,10 +38,13 @@ def retry_after_s(response: httpx.Response) -> float:
 
 
 class CoveyClient:
-    def __init__(self, base_url: str, token: str | None = None, timeout: float = 30) -> None:
+    def __init__(self, base_url: str, token: str | None = None, timeout: float = 30,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.token = token  # handed on to processes that act as the same human (load)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout)
+        # `transport`: recorded answers instead of a server (the dialect's tests).
+        self.http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout,
+                                      transport=transport)
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -67,9 +70,10 @@ class CoveyClient:
             return await self.http.get(path, params=params or None)
 
     @classmethod
-    async def signed_in(cls, base_url: str, email: str, password: str) -> CoveyClient:
+    async def signed_in(cls, base_url: str, email: str, password: str,
+                        transport: httpx.AsyncBaseTransport | None = None) -> CoveyClient:
         """Sign in with email and password, then act with an API token of that human."""
-        anonymous = cls(base_url)
+        anonymous = cls(base_url, transport=transport)
         try:
             json_of(await anonymous.http.post("/api/v1/auth/login",
                                               json={"email": email, "password": password}))
@@ -77,7 +81,7 @@ class CoveyClient:
                                                       json={"name": "game day"}), 201)["token"]
         finally:
             await anonymous.aclose()
-        return cls(base_url, token)
+        return cls(base_url, token, transport=transport)
 
     # people
     async def me(self) -> httpx.Response:
@@ -97,6 +101,10 @@ class CoveyClient:
     async def create_agent(self, slug: str, display_name: str, **fields: Any) -> httpx.Response:
         return await self.http.post("/api/v1/agents",
                                     json={"slug": slug, "display_name": display_name, **fields})
+
+    async def delete_agent(self, agent_id: str) -> httpx.Response:
+        """Only where the dialect's rollback retires agents (this API keeps them)."""
+        return await self.http.delete(f"/api/v1/agents/{agent_id}")
 
     async def agent(self, agent_id: str) -> httpx.Response:
         return await self.get(f"/api/v1/agents/{agent_id}")

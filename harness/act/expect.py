@@ -14,11 +14,13 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from harness.act.client import json_of
+from harness.act.dialect import dialect
 from harness.stack.isolation import strangers_stopped
 from harness.stack.waiting import eventually
 
@@ -27,8 +29,20 @@ if TYPE_CHECKING:
     from harness.nemesis import FaultRecord
     from harness.record.gameday import GameDay
 
-STOPPED = {"error": "Agent or fleet is stopped", "hint": "resume it first."}
 LIVE = ("starting", "running")
+RELEASE_WAKE_S = 3.0
+
+
+def _ns(stamp: str) -> int:
+    return int(datetime.fromisoformat(stamp).timestamp() * 1e9)
+
+
+async def _all_or_none(started: Callable[[], Awaitable[set[str]]], wanted: set[str]
+                       ) -> set[str] | None:
+    found = await started()
+    return found if found >= wanted else None
+
+
 # What a daemon stopped by a switch says in its exit line (covey.coveyd): it obeyed a kill, or
 # it failed closed (its lease lapsed, its channel gone).
 WHYS_OF_A_SWITCH = ("obeyed a kill message", "failing closed")
@@ -55,11 +69,15 @@ class Expect:
     def __init__(self, day: GameDay) -> None:
         self.day = day
         self.auditor = day.people["auditor"]
+        self.dialect = dialect(day.dialect_name)
 
     async def fleet_stop_answer(self, report: dict[str, Any],
                                 agents: Iterable[dict[str, Any]]) -> FleetStop:
         """The fleet kill's answer: every agent stopped (a shared organisation's others too),
-        work requeued, and every daemon holding the kill before the answer came."""
+        work requeued, and every daemon holding the kill before the answer came. Where the
+        answer reports none of it (upstream's `{"ok":true}`), it is read back instead."""
+        if not self.dialect.reports:
+            return await self._fleet_stop_read_back(list(agents), report)
         mine, stopped = {a["id"] for a in agents}, set(report["agents_stopped"])
         rule(mine <= stopped, f"the fleet stop left agents running: {sorted(mine - stopped)}")
         strangers = await strangers_stopped(self.day, mine, stopped)
@@ -75,6 +93,64 @@ class Expect:
         rule(not unacked, f"daemons that did not acknowledge the kill before the answer: "
              f"{sorted(unacked)}")
         return FleetStop(requeued, cancelled)
+
+    async def _fleet_stop_read_back(self, agents: list[dict[str, Any]],
+                                    report: dict[str, Any]) -> FleetStop:
+        """The fleet stop as the system shows it after an answer that says nothing: every
+        agent flagged; the tasks a read before the kill showed in progress open again; the
+        sessions (sandboxes) the kill cut."""
+        self.day.notes.append(
+            f"the {self.dialect.name} fleet kill answered {report}: whether every daemon held "
+            f"the kill before the answer is not known; agents, tasks and sandboxes read back")
+        kill = [op for op in self.day.history.operations("kill_fleet") if op.type == "ok"][-1]
+        flagged = {a["id"]: json_of(await self.day.reader(a["id"]).agent(a["id"]))["killed"]
+                   for a in agents}
+        rule(all(flagged.values()), f"the fleet stop left agents running (not flagged): "
+             f"{sorted(a for a, k in flagged.items() if not k)}")
+        before: dict[str, str] = {}
+        for e in self.day.history.select(f="task_state"):
+            if e.time_ns < kill.start_ns:
+                before[str(e.value["task_id"])] = str(e.value["state"])
+        tasks = await self.day.read_tasks()
+        requeued = {t for t, s in before.items() if s == "in_progress"
+                    and tasks.get(t, {}).get("state") == "open"}
+        rule(bool(requeued), "the fleet stop requeued none of the game day's tasks")
+        # The sessions it cut: those of agents it found at work (an agent finishing a task
+        # as the kill came ends its session on its own, exit 0, as no cancelled one does).
+        working = {tasks[t]["agent_id"] for t in requeued}
+        cancelled = {s["id"] for a in agents if a["id"] in working
+                     for s in await self._sessions(a["id"])
+                     if _ns(s["started_at"]) < kill.start_ns
+                     and (s["ended_at"] is None or _ns(s["ended_at"]) >= kill.start_ns)}
+        rule(bool(cancelled), "the fleet stop found no session to stop")
+        return FleetStop(requeued, cancelled)
+
+    async def only_this_agent_stopped(self, answer: httpx.Response, agent: dict[str, Any],
+                                      others: Iterable[dict[str, Any]]) -> None:
+        """One agent's switch stopped that agent and no other: as its answer reports, or,
+        where the answer reports nothing, as the agents' flags read back."""
+        report = json_of(answer)
+        if self.dialect.reports:
+            rule(report["agents_stopped"] == [agent["id"]], f"one agent's switch stopped "
+                 f"other agents too: {report['agents_stopped']}")
+            return
+        flagged = {a["id"]: json_of(await self.auditor.agent(a["id"]))["killed"]
+                   for a in (agent, *others)}
+        rule(flagged[agent["id"]], f"the agent's own switch answered {report} but left agent "
+             f"{agent['id']} unflagged")
+        rule(not any(flagged[a["id"]] for a in others), f"one agent's switch stopped other "
+             f"agents too: {sorted(a for a, k in flagged.items() if k and a != agent['id'])}")
+
+    async def warm_sandbox_evicted(self, answer: httpx.Response, agent: dict[str, Any]
+                                   ) -> None:
+        """A killed warm agent keeps no sandbox, parked or running: the ones the kill says
+        it evicted are gone, and none is left in any case."""
+        report = json_of(answer)
+        boxes = {s["id"]: s["state"] for s in await self.day.sandboxes(agent["id"])}
+        evicted = report.get("evicted_sandboxes", []) if self.dialect.reports else []
+        rule(all(boxes[b] in ("evicted", "gone") for b in evicted)
+             and not [s for s in boxes.values() if s in ("parked", "running")],
+             f"the killed warm agent kept a sandbox: {boxes}")
 
     async def daemons_obeyed(self, agents: Iterable[dict[str, Any]],
                              sessions: set[str]) -> set[str]:
@@ -117,11 +193,15 @@ class Expect:
                         )["state"]
         rule(state == "open", f"a task that arrived during {stop} was started (it is "
              f"{state}): the new-task wake or the scheduler's tick ignored the stop")
-        for what, r in (("a manual heartbeat fire", await by.fire_heartbeat(triggered, heartbeat)),
-                        ("the external trigger", await by.trigger(triggered)),
-                        ("a manual wake (POST …/wake)", await by.wake(triggered))):
-            rule((r.status_code, r.json()) == (409, STOPPED),
-                 f"{what} was not refused during {stop}: {r.status_code} {r.text[:200]}")
+        for path, what, r in (
+                ("fire_heartbeat", "a manual heartbeat fire",
+                 await by.fire_heartbeat(triggered, heartbeat)),
+                ("trigger", "the external trigger", await by.trigger(triggered)),
+                ("wake", "a manual wake (POST …/wake)", await by.wake(triggered))):
+            status, body = self.dialect.refusals[path]
+            rule((r.status_code, r.json()) == (status, body),
+                 f"{what} was not refused during {stop}: {r.status_code} {r.text[:200]} "
+                 f"(the {self.dialect.name} refusal: {status} {body})")
         started = {s["id"] for a in agents for s in await self._sessions(a)} - before
         rule(not started, f"sessions started during {stop}: {sorted(started)}")
 
@@ -206,7 +286,11 @@ class Expect:
 
     async def only_security_holds_the_fleet_switch(self) -> None:
         """org_admin and controlling were told; the roles without the switch get 403."""
-        for role in ("org_admin", "controlling"):
+        if not self.dialect.notifications:
+            self.day.notes.append(f"{self.dialect.name} covey keeps no notifications: whether "
+                                  f"org_admin and controlling were told of the fleet stop is "
+                                  f"not checked")
+        for role in ("org_admin", "controlling") if self.dialect.notifications else ():
             notes = json_of(await self.day.people[role].notifications())
             rule(any(n["kind"] == "fleet_killed" for n in notes),
                  f"{role} was not notified of the fleet stop")
@@ -219,8 +303,9 @@ class Expect:
     async def held_by_the_fleet(self, agent: dict[str, Any], window_s: float = 1) -> None:
         """An agent resumed on its own while the fleet stop stands does not run."""
         released = json_of(await self.day.as_("org_admin").resume_agent(agent))
-        rule(released["held_by_fleet"] is True and released["agents_woken"] == [],
-             "an agent resumed on its own ran while the fleet stop stood")
+        if self.dialect.reports:
+            rule(released["held_by_fleet"] is True and released["agents_woken"] == [],
+                 "an agent resumed on its own ran while the fleet stop stood")
         await asyncio.sleep(window_s)  # nothing may start in this window either
         live = [s for s in json_of(await self.auditor.sessions(agent["id"]))
                 if s["state"] in LIVE]
@@ -244,10 +329,22 @@ class Expect:
         with_work = {t["agent_id"] for t in (await self.day.read_tasks()).values()
                      if t["state"] == "open" and t["agent_id"] in ids}
         before = {s["id"] for a in with_work for s in await self._sessions(a)}
-        woken = set(json_of(await release())["agents_woken"])
-        at_work = woken & ids
-        at_work |= {a for a in with_work - at_work
+        answer = json_of(await release())
+        woken = set(answer["agents_woken"] if self.dialect.reports else ())
+
+        async def started() -> set[str]:
+            return {a for a in with_work - woken
                     if {s["id"] for s in await self._sessions(a)} - before}
+        at_work = (woken & ids) | await started()
+        if not self.dialect.reports and at_work < with_work:
+            # The answer does not say whom it woke: "at once" is a sandbox started within
+            # RELEASE_WAKE_S of it (upstream's scheduler tick is 1 s).
+            with contextlib.suppress(AssertionError):
+                await eventually(lambda: _all_or_none(started, with_work), RELEASE_WAKE_S,
+                                 "not at once")
+            at_work |= await started()
+            self.day.notes.append(f"{what} answered {answer}: the agents it woke were read "
+                                  f"from their sandboxes, within {RELEASE_WAKE_S:g} s")
         rule(at_work >= with_work, f"{what} did not wake at once every agent with open "
              f"work: {sorted(with_work - at_work)}")
         return woken

@@ -20,6 +20,10 @@ from harness.judge.switch_checkers import CATALOGUE
 from harness.record.history import Event, History
 
 KNOWN_CHECKERS = frozenset(c.__name__ for c in CATALOGUE)
+# How a verdict begins whose evidence the system's dialect does not expose (GameDay
+# .unjudgeable): never a consequence of a broken rule, and never required.
+NOT_JUDGEABLE = "Not judgeable against"
+
 EVENTS_SHOWN = 8
 VALUE_CHARS = 200
 # Which broken rule leads when several broke: the switch's own promises first (the daemon
@@ -92,6 +96,9 @@ def render(verdicts: list[Verdict], required: Collection[str], history: History,
     after = " (likely a consequence of the broken rule above)" \
         if seen_broken or broken else ""
     for v in unknown:
+        if v.message.startswith(NOT_JUDGEABLE):
+            out.append(f"not judgeable {v.checker}: {v.message}")
+            continue
         label = "UNDECIDED, required" if v.checker in required else "undecided"
         out += [f"{label} {v.checker}{after}: {v.message}", *_events(v, history, origin)]
     for name in absent:

@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 import platform
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,9 +20,11 @@ import httpx
 from faker import Faker
 
 from harness.act.client import CoveyClient, json_of
+from harness.act.dialect import COVEY_GAMEDAY, dialect, sign_in
 from harness.act.expect import Expect
 from harness.act.operator import RECORDING_PAGE, Operator, Until
 from harness.act.puppet import Behaviour, behaviour_name, resolve
+from harness.act.upstream import MockDirectives
 from harness.judge.bounds import BOUND_PREFIX, Figure, bounded_figures
 from harness.judge.checkers import (
     CHECKERS,
@@ -41,9 +43,9 @@ from harness.judge.checkers import (
 )
 from harness.judge.costs import Measure
 from harness.judge.sessions import TASK_RESULT_F
-from harness.judge.switch_checkers import LEASE_F, SANDBOX_F
+from harness.judge.switch_checkers import LEASE_F, SANDBOX_F, WAKE_REFUSALS_F
 from harness.judge.time_to_stop import TimeToStop, summarize, time_to_stop
-from harness.judge.verdicts import broken_rules
+from harness.judge.verdicts import NOT_JUDGEABLE, broken_rules
 from harness.record.history import History
 from harness.record.remains import DaemonExit, daemon_exits, remains_of
 from harness.run.rollback import roll_back_loudly
@@ -169,24 +171,33 @@ class GameDay:
     journal_sections: dict[str, Any] = field(default_factory=dict)
     journal_path: Path | None = None
     aborted_reason: str | None = None  # why the game day broke off, for its journal
+    preparing: str = "not started"  # the step of its preparation under way, for a refusal
     started_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
     scenario: str = ""  # the pytest node id: what the replay command runs
     fake: Faker = field(init=False)
 
     def __post_init__(self) -> None:
-        # A bounded figure must be judged: unknown fails the game day like a `decides`.
-        self.required = frozenset(self.required) | {BOUND_PREFIX + n for n in self.bounds}
+        # A bounded figure must be judged: unknown fails the game day like a `decides`. A
+        # checker whose evidence the dialect's server does not expose cannot be required.
+        self.required = (frozenset(self.required) | {
+            BOUND_PREFIX + n for n in self.bounds}) - set(self.lacks)
         self.fake = Faker()
         self.fake.seed_instance(self.seed)
 
     # ------------------------------------------------------------------ people and agents
 
+    async def sign_in(self, email: str, password: str) -> CoveyClient:
+        """A human of the deployment, signed in as its dialect signs people in (an API
+        token here, a cookie session on upstream covey)."""
+        directives = self.endpoints.puppet
+        return await sign_in(self.dialect_name, self.endpoints.url, email, password,
+                             directives if isinstance(directives, MockDirectives) else None)
+
     async def enlist(self) -> None:
         """The org admin from the stack, and one human per other role, made up from the
         seed (a failing game day replays with the same names)."""
         e = self.endpoints
-        self.people["org_admin"] = await CoveyClient.signed_in(e.url, e.admin_email,
-                                                               e.admin_password)
+        self.people["org_admin"] = await self.sign_in(e.admin_email, e.admin_password)
         for role in ROLES:
             # The run in the address: emails are unique across organisations, and a replay
             # with the same seed must not sign in as an earlier game day's people.
@@ -194,7 +205,7 @@ class GameDay:
                      f"@{self.fake.domain_word()}.test")
             password = self.fake.password(length=16)
             json_of(await self.people["org_admin"].add_member(email, password, role), 201)
-            self.people[role] = await CoveyClient.signed_in(e.url, email, password)
+            self.people[role] = await self.sign_in(email, password)
 
     async def platform_admin(self) -> Operator:
         """The stack's platform admin (who holds the global kill flag) as one of the game
@@ -204,8 +215,8 @@ class GameDay:
             if not (e.platform_email and e.platform_password):
                 raise LookupError(f"the {self.stack} stack has no platform admin: give "
                                   f"--target-platform-email and --target-platform-password")
-            self.people["platform_admin"] = await CoveyClient.signed_in(
-                e.url, e.platform_email, e.platform_password)
+            self.people["platform_admin"] = await self.sign_in(e.platform_email,
+                                                               e.platform_password)
         return self.as_("platform_admin")
 
     async def organisation_beside(self, name: str = "beside") -> str:
@@ -217,8 +228,7 @@ class GameDay:
         password = self.fake.password(length=16)
         org = json_of(await platform.create_org(f"{self.name} {name} run {self.run_id}"[:100],
                                                 email, password), 201)
-        self.admins_beside[str(org["id"])] = await CoveyClient.signed_in(
-            self.endpoints.url, email, password)
+        self.admins_beside[str(org["id"])] = await self.sign_in(email, password)
         return str(org["id"])
 
     def reader(self, agent_id: str) -> CoveyClient:
@@ -281,6 +291,26 @@ class GameDay:
         return Operator(self, role, client)
 
     @property
+    def lacks(self) -> Mapping[str, str]:
+        """The checkers this game day cannot judge on its server's dialect, with what is
+        missing."""
+        return dialect(self.dialect_name).lacks
+
+    @property
+    def dialect_name(self) -> str:
+        """The dialect its control plane speaks (a game day built without a real stack, as
+        the harness's own tests do, speaks this project's)."""
+        return str(getattr(self.endpoints, "dialect", COVEY_GAMEDAY))
+
+    def unjudgeable(self, verdicts: list[Verdict]) -> list[Verdict]:
+        """The verdicts, those of checkers the dialect lacks evidence for made `unknown`
+        with what is missing: judged on no evidence, a checker would pass vacuously."""
+        lacks = self.lacks
+        return [Verdict(v.checker, "unknown", f"{NOT_JUDGEABLE} {self.dialect_name} "
+                        f"covey: {lacks[v.checker]}.") if v.checker in lacks else v
+                for v in verdicts]
+
+    @property
     def until(self) -> Until:
         """The shared waits: each polls with a deadline and says what never happened."""
         return Until(self)
@@ -333,6 +363,10 @@ class GameDay:
         result: dict[str, Any] = {"status": r.status_code, "body": body}
         if f == "wake" and isinstance(body, dict) and "outcome" in body:
             result["outcome"] = body["outcome"]  # a busy agent's wake started nothing
+        elif f == "wake" and not dialect(self.dialect_name).reports:
+            # Upstream's wake answers {"ok":true} whether or not it started anything: what
+            # started is read from its sandboxes (session_start), not from this answer.
+            result["outcome"] = "unreported"
         self.history.complete(invoke, outcome, result)
         return r
 
@@ -406,7 +440,8 @@ class GameDay:
         """What of the agent's sandboxes still exists on this machine, looked at directly
         (harness/record/remains.py), recorded as a `sandbox_remains` observation; None where the
         stack's sandboxes are not on this machine."""
-        found = await asyncio.to_thread(remains_of, self.stack, agent_id)
+        found = await asyncio.to_thread(remains_of, self.stack, agent_id,
+                                        self.dialect_name)
         if record and found is not None:
             self.history.observe(OBSERVER, SANDBOX_REMAINS_F,
                                  {"agent_id": agent_id, "remains": found})
@@ -489,7 +524,10 @@ class GameDay:
 
     async def copy_task_results(self) -> None:
         """Each result a daemon reported for a task, as the control plane recorded it in the
-        agent's recording (taken, or rejected and why), by the session that reported it."""
+        agent's recording (taken, or rejected and why), by the session that reported it;
+        none where the dialect's recording is not read (its checkers say so)."""
+        if not dialect(self.dialect_name).recording:
+            return
         for agent_id in self.agents:
             seen = 0
             while True:
@@ -539,6 +577,7 @@ class GameDay:
             "started_at": self.started_at,
             "ended_at": datetime.now(UTC).isoformat(),
             "stack": self.stack,
+            "dialect": self.dialect_name,
             "seed": self.seed,
             "versions": {**self.endpoints.versions, "platform": platform.platform()},
             "agents": [{"id": a["id"], "slug": a["slug"], "behaviour": a["behaviour"]}
@@ -585,6 +624,10 @@ class GameDay:
         if self.endpoints.lease_ms is not None:
             self.history.observe(OBSERVER, LEASE_F, {"lease_ms": self.endpoints.lease_ms})
         self.copy_faults()
+        refusals = dialect(self.dialect_name).refusals
+        self.history.observe(OBSERVER, WAKE_REFUSALS_F, {
+            "dialect": self.dialect_name,
+            "statuses": {path: status for path, (status, _) in refusals.items()}})
         await self.copy_ledger()
         await self.copy_sandboxes_and_sessions()
         await self.copy_task_results()
@@ -600,11 +643,11 @@ class GameDay:
         checker that raises is `unknown` with its error; the other verdicts stand."""
         phases.info("judging the history")
         final = await self.collect()
-        self.verdicts = judge_all(self.checkers, self.history, final)
+        self.verdicts = self.unjudgeable(judge_all(self.checkers, self.history, final))
         for name, measure in self.measures.items():
             self.measurements[name] = measure(self.history, final)
         self.figures = bounded_figures(self.bounds, self.history, final)
-        self.verdicts += [f.verdict() for f in self.figures]
+        self.verdicts += self.unjudgeable([f.verdict() for f in self.figures])
         if self.figures:
             self.measurements["bounded"] = {f.name: f.to_json() for f in self.figures}
         return self.verdicts, time_to_stop(self.history, final), final

@@ -6,6 +6,8 @@ what agents did. The control plane's rows say a sandbox is gone; this looks.
   (`COVEY_AGENT_ID`, which each sandbox's daemon is given and whatever it starts inherits;
   the shell tool runs each command in a session of its own, so no process group finds them);
 * `containers` stack: every container, running or not, labelled `covey.agent=<id>`;
+* upstream covey on this machine's Docker engine: its running container
+  `covey-sandbox-<id>` (harness/record/sandbox_events.py);
 * elsewhere (a deployment) the harness cannot look: None.
 
 And how each sandbox's daemon ended (`daemon_exits`), read where its control plane cannot be
@@ -54,13 +56,17 @@ def _containers_of(agent_id: str) -> list[str]:
         client.close()
 
 
-def remains_of(stack: str, agent_id: str) -> list[str] | None:
+def remains_of(stack: str, agent_id: str, dialect: str = "covey-gameday") -> list[str] | None:
     """What of the agent's sandboxes still exists (empty: nothing), or None where this
     stack's sandboxes are not on this machine. Blocking: call it in a thread."""
     if stack == "processes":
         return _processes_of(agent_id)
     if stack == "containers":
         return _containers_of(agent_id)
+    if dialect == "upstream":
+        from harness.record.sandbox_events import containers_of
+
+        return containers_of(agent_id)
     return None
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from harness.judge.bounds import BOUND_PREFIX
 from harness.judge.checkers import Verdict
 from harness.judge.time_to_stop import TOTAL
-from harness.judge.verdicts import failed
+from harness.judge.verdicts import NOT_JUDGEABLE, failed
 
 # What each figure is called where people read it.
 FIGURE_LABELS = {
@@ -138,6 +138,10 @@ def headline(journal: dict[str, Any], verdicts: list[Verdict]) -> list[str]:
     if acted is not None and acted["value"] is not None:
         out.append(f"{acted['value']:g} {acted['unit']} after the request "
                    f"(bound {acted['bound']:g})")
+    elif samples and any(v.checker == "no_action_after_kill_ack"
+                         and v.message.startswith(NOT_JUDGEABLE) for v in verdicts):
+        # Upstream's mock engine asks no model: no ledger, so no count of actions either.
+        out.append("actions after the request not seen (no model requests to count)")
     elif samples:
         late = {s["agent_id"] for s in samples if s["last_action_ns"] is not None}
         out.append("0 actions after the request" if not late
@@ -201,4 +205,6 @@ def replay_command(journal: dict[str, Any], journal_path: Path | None = None) ->
         parts += ["--replay", str(journal_path)]
     else:
         parts += ["--seed", str(journal["seed"]), "--agents", str(len(journal["agents"]))]
+    if journal.get("dialect", "covey-gameday") != "covey-gameday":
+        parts += ["--dialect", journal["dialect"]]
     return shlex.join(parts)

@@ -119,7 +119,7 @@ def specimen_game_day(agents: int = 5, seed: int = 7, bounds: dict[str, float] |
         "scenario": "scenarios/fleet_stop.py::test_fleet_stop",
         "status": "failed" if broken_rules(verdicts, required) else "completed",
         "started_at": _iso(START_NS), "ended_at": _iso(at(10_000)),
-        "stack": "processes", "seed": seed,
+        "stack": "processes", "dialect": "covey-gameday", "seed": seed,
         "versions": {"covey": "specimen", "python": "3"},
         "agents": [{"id": a, "slug": f"agent-{n}", "behaviour": "silent"}
                    for n, a in enumerate(ids)],

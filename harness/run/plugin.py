@@ -17,6 +17,7 @@ from typing import Any, Protocol, cast
 
 import pytest
 
+from harness.act.dialect import AUTO, COVEY_GAMEDAY, DIALECTS
 from harness.judge.bounds import FIGURES
 from harness.judge.checkers import CHECKERS, Checker
 from harness.judge.costs import MEASURES, Measure
@@ -62,6 +63,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--target-platform-password",
                     default=os.environ.get("COVEY_TARGET_PLATFORM_PASSWORD"),
                     help="with --stack target: that platform admin's password")
+    group.addoption("--dialect", choices=(AUTO, *DIALECTS), default=AUTO,
+                    help="with --stack target: the API the deployment speaks: this project's "
+                         "(covey-gameday), upstream covey's (upstream), or found from its "
+                         "/healthz (auto, the default)")
     group.addoption("--puppet-port", type=int, default=None,
                     help="with --stack target: serve the puppet model on this port (the "
                          "deployment's COVEY_MODEL_URL points at it)")
@@ -156,6 +161,9 @@ def _seed(config: pytest.Config) -> int:
 def make_stack(config: pytest.Config) -> Stack:
     name, _ = _stack_name(config)
     report_dir = Path(config.getoption("--report-dir"))
+    if name != "target" and config.getoption("--dialect") not in (AUTO, COVEY_GAMEDAY):
+        raise pytest.UsageError(f"--dialect {config.getoption('--dialect')} needs --stack "
+                                f"target: the {name} stack runs this project's control plane")
     if name == "processes":
         return ProcessesStack(report_dir)
     if name == "target":
@@ -166,8 +174,10 @@ def make_stack(config: pytest.Config) -> Stack:
             raise pytest.UsageError("--stack target needs --target-url, --target-email and "
                                     "--target-password (or COVEY_TARGET_* variables)")
         platform = _platform_admin(config)
+        platform_email, platform_password = platform or (None, None)
         return TargetStack(url, email, password, config.getoption("--puppet-port"),
-                           *(platform or (None, None)))
+                           platform_email, platform_password,
+                           dialect=config.getoption("--dialect"))
     return ContainersStack(report_dir, image=_image())
 
 
@@ -443,7 +453,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
     day = getattr(item, "funcargs", {}).get("gameday")
     if not isinstance(day, GameDay):
         return report
-    required = required_checkers(item) | day.required
+    required = (required_checkers(item) - set(day.lacks)) | day.required
     text = render(day.verdicts, required, day.history, day.seen_broken)
     if text is not None:
         rules = ([day.seen_broken] if day.seen_broken else []) + broken_rules(

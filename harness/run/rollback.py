@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from harness.act.client import ApiFailure, CoveyClient, json_of
+from harness.act.dialect import dialect
 from harness.nemesis import halt
 from harness.run.steady import standing_stop
 from harness.stack.waiting import eventually
@@ -79,8 +80,7 @@ async def _admin(day: GameDay) -> CoveyClient | None:
         return client
     if day.organisation is None:
         return None
-    return await CoveyClient.signed_in(day.endpoints.url, day.organisation.admin_email,
-                                       day.organisation.admin_password)
+    return await day.sign_in(day.organisation.admin_email, day.organisation.admin_password)
 
 
 async def _heal_faults(day: GameDay, report: RollbackReport) -> None:
@@ -193,6 +193,25 @@ async def _sandboxes_gone(day: GameDay, admin: CoveyClient, report: RollbackRepo
                                    "or has a sandbox running")
 
 
+async def _retire_agents(day: GameDay, admin: CoveyClient, report: RollbackReport) -> None:
+    """Where a fleet resume revives agents killed on their own (upstream covey), a stopped
+    agent of this game day does not stay stopped: a later game day's fleet resume in the
+    same organisation woke the earlier ones' agents and their work, which crowded its own.
+    There the game day's agents are deleted, once their sandboxes are gone."""
+    why = dialect(day.dialect_name).retires_agents
+    if why is None:
+        return
+    for agent_id in [*day.probe_agents, *day.agents]:
+        slug = day.agents.get(agent_id, {}).get("slug", "probe")
+        try:
+            json_of(await _admin_of(day, agent_id, admin).delete_agent(agent_id))
+        except (ApiFailure, httpx.HTTPError) as exc:
+            report.could_not.append(f"agent {slug} ({agent_id}) is left stopped, not deleted "
+                                    f"({why}): {exc}")
+        else:
+            report.restored.append(f"deleted agent {slug} ({agent_id}): {why}")
+
+
 async def roll_back(day: GameDay) -> RollbackReport:
     """Every step is tried whatever the one before did; each failure is recorded."""
     report = RollbackReport()
@@ -209,7 +228,8 @@ async def roll_back(day: GameDay) -> RollbackReport:
         return report  # no organisation yet: nothing was created in it
     steps = (("stopping the agents", _stop_agents), ("releasing the fleet switch",
              _release_fleet), ("releasing the global kill flag", _release_global),
-             ("waiting for the sandboxes", _sandboxes_gone))
+             ("waiting for the sandboxes", _sandboxes_gone),
+             ("retiring the agents", _retire_agents))
     try:
         for what, step in steps:
             try:

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from harness.act.client import CoveyClient, json_of
+from harness.act.client import ApiFailure, CoveyClient, json_of
+from harness.act.upstream import QUICK_BODY, MockDirectives
 from harness.stack.isolation import agent_slug, organisation_for
 from harness.stack.waiting import eventually
 
@@ -152,17 +153,50 @@ def _require(day: GameDay, probe: Probe) -> None:
 async def fleet_holds(day: GameDay) -> None:
     """Before anyone is enlisted, so that a refused game day leaves nothing behind."""
     assert day.organisation is not None, "the game day has no organisation yet"
-    admin = await CoveyClient.signed_in(day.endpoints.url, day.organisation.admin_email,
-                                        day.organisation.admin_password)
+    admin = await day.sign_in(day.organisation.admin_email, day.organisation.admin_password)
     try:
         _require(day, await fleet_not_stopped(admin, day.organisation.name))
     finally:
         await admin.aclose()
 
 
+async def sandbox_runs(day: GameDay) -> Probe:
+    """Upstream covey's agents run its mock engine, which asks no model: the probe is that
+    a probe agent's task ends done, in a sandbox of the deployment's."""
+    started = time.monotonic()
+    admin = day.people["org_admin"]
+    probe: dict[str, Any] = json_of(await admin.create_agent(
+        agent_slug(day.run_id, 0, "probe"), "steady-state probe"), 201)
+    day.probe_agents.append(probe["id"])
+    json_of(await admin.create_task(probe["id"], "steady-state probe", QUICK_BODY), 201)
+
+    async def done() -> bool:
+        return any(t["state"] == "done" for t in json_of(await admin.backlog(probe["id"])))
+    try:
+        await eventually(done, PROBE_DEADLINE_S, "the probe's task never ended done",
+                         interval=0.2)
+        ok, seen = True, "the probe agent's task ended done in a sandbox of the deployment"
+    except AssertionError:
+        states = [t["state"] for t in json_of(await admin.backlog(probe["id"]))]
+        boxes = json_of(await admin.sandboxes(probe["id"]))
+        ok, seen = False, (f"the probe agent's task was still {', '.join(states)} after "
+                           f"{PROBE_DEADLINE_S:g} s; its sandbox containers: "
+                           + (", ".join(f"{b['id']} {b['state']} exit {b['exit_code']}"
+                                        for b in boxes) or "none started"))
+    json_of(await admin.kill_agent(probe["id"]))
+    return Probe("a sandbox of the deployment works a task", ok, seen,
+                 None if ok else "see the deployment's log: its sandboxes do not run (its "
+                 "sandbox image, the Docker engine, the relay to host.docker.internal)",
+                 time.monotonic() - started)
+
+
 async def puppet_holds(day: GameDay) -> None:
-    """Once the game day's people exist: a probe agent reaches the puppet."""
-    _require(day, await puppet_reachable(day))
+    """Once the game day's people exist: a probe agent reaches the puppet (or, where the
+    agents ask no model, works a task)."""
+    if isinstance(day.endpoints.puppet, MockDirectives):
+        _require(day, await sandbox_runs(day))
+    else:
+        _require(day, await puppet_reachable(day))
 
 
 async def prepare(day: GameDay) -> None:
@@ -172,17 +206,40 @@ async def prepare(day: GameDay) -> None:
     `not_started`) and does not start."""
     try:
         await _prepare(day)
+    except (ApiFailure, httpx.HTTPError, KeyError, ValueError) as exc:
+        # The deployment answered something the harness did not expect (another dialect,
+        # another version): say which request and what was expected, not `aborted`.
+        failed = SteadyStateNotMet(Probe(
+            "the deployment answers as its dialect does", False,
+            f"{day.preparing} failed: {unexpected(exc)}",
+            f"check that the deployment speaks the {day.dialect_name} dialect "
+            f"(--dialect) and that the credentials are an org admin's"))
+        day.journal_sections.setdefault("steady_state_hypothesis", []).append(
+            asdict(failed.probe))
+        day.journal("not_started", [], [], {})
+        raise failed from exc
     except SteadyStateNotMet:
         day.journal("not_started", [], [], {})
         raise
 
 
+def unexpected(exc: BaseException) -> str:
+    """An unexpected answer in words: the request and what came back (ApiFailure says it
+    already), or which field of an answer was missing."""
+    if isinstance(exc, KeyError):
+        return f"an answer lacked the field {exc.args[0]!r} the harness reads"
+    return str(exc) or repr(exc)
+
+
 async def _prepare(day: GameDay) -> None:
     e = day.endpoints
+    day.preparing = "GET /healthz"
     _require(day, await control_plane_answers(e.url))
+    day.preparing = ("finding the game day's organisation (sign-in, GET /api/v1/auth/me, or a "
+                     "platform admin's new organisation)")
     organisation = await organisation_for(
         e.url, e.admin_email, e.admin_password, e.platform_email, e.platform_password,
-        day.name, day.seed, day.run_id)
+        day.name, day.seed, day.run_id, day.dialect_name)
     day.organisation = organisation
     day.endpoints = replace(e, admin_email=organisation.admin_email,
                             admin_password=organisation.admin_password)
@@ -190,6 +247,9 @@ async def _prepare(day: GameDay) -> None:
     if organisation.warning:
         day.notes.append(f"this game day {organisation.warning}")
         print(f"WARNING: game day {day.name} {organisation.warning}")
+    day.preparing = "reading the fleet switch (GET /api/v1/fleet)"
     await fleet_holds(day)
+    day.preparing = "enlisting the game day's people (adding members, signing them in)"
     await day.enlist()
+    day.preparing = "the probe agent (creating it, its task, reading its work)"
     await puppet_holds(day)

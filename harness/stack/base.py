@@ -52,6 +52,9 @@ class Endpoints:
     # A second replica of the control plane on the same database, where the stack can start
     # one (processes, containers): started on the first ask, kept as long as the stack.
     replica: Callable[[], Awaitable[Replica]] | None = None
+    # The API the control plane speaks (harness/act/dialect.py): this project's, or upstream
+    # covey's where a target deployment runs it.
+    dialect: str = "covey-gameday"
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,11 @@ async def wait_until_healthy(url: str, deadline_s: float, process: asyncio.subpr
             try:
                 r = await http.get(f"{url}{path}")
                 if r.status_code == 200:
-                    body = r.json()
+                    # Upstream covey answers a plain `ok`: healthy, and says nothing more.
+                    try:
+                        body = r.json()
+                    except ValueError:
+                        return {}
                     return body if isinstance(body, dict) else {}
                 last = f"{r.status_code} {r.text[:200]}"
             except httpx.HTTPError as exc:

@@ -13,7 +13,8 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from harness.act.client import CoveyClient, json_of
+from harness.act.client import json_of
+from harness.act.dialect import COVEY_GAMEDAY, sign_in
 
 if TYPE_CHECKING:
     from harness.record.gameday import GameDay
@@ -70,20 +71,21 @@ def org_name(game_day: str, seed: int, run: str) -> str:
 
 async def organisation_for(url: str, admin_email: str, admin_password: str,
                            platform_email: str | None, platform_password: str | None,
-                           game_day: str, seed: int, run: str) -> Organisation:
+                           game_day: str, seed: int, run: str,
+                           dialect: str = COVEY_GAMEDAY) -> Organisation:
     """A fresh organisation with its own admin when a platform admin is given, else the
     organisation of the given admin."""
     if platform_email and platform_password:
         name = org_name(game_day, seed, run)
         email = f"admin.{run}.{seed}@gameday.test"
         password = f"game-day-{uuid.uuid4().hex}"
-        platform = await CoveyClient.signed_in(url, platform_email, platform_password)
+        platform = await sign_in(dialect, url, platform_email, platform_password)
         try:
             created = json_of(await platform.create_org(name, email, password), 201)
         finally:
             await platform.aclose()
         return Organisation(str(created["id"]), name, email, password, own=True)
-    admin = await CoveyClient.signed_in(url, admin_email, admin_password)
+    admin = await sign_in(dialect, url, admin_email, admin_password)
     try:
         me = json_of(await admin.me())
     finally:
