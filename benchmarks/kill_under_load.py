@@ -1,7 +1,7 @@
 """Kill latency under load: the same fleet of working agents, the same killer, under no load
 and under growing Locust load, in one run (DESIGN §4: only ratios within a run carry over).
 
-    .venv/bin/python -m benchmarks.kill_under_load --json docs/kill_under_load.json
+    .venv/bin/python -m benchmarks.kill_under_load --json benchmarks/results/kill_under_load.json
 
 Each level is a `gameday load` run (harness/load/runner.py) on one processes stack brought
 up once: the killer alone (the unloaded baseline), then 10, 50 and 100 operators, then 100
