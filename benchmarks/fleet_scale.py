@@ -227,6 +227,7 @@ async def kill_fleet(plane: ServedPlane, db: asyncpg.Pool, fleet: Fleet, number:
         host_busy_before = (host_cpu_busy_s() - host_from) / window_s
         async with RawHttp.open(plane.url, f"Bearer {fleet.org.tokens['security']}") as security:
             async with rss_peak(plane) as peak:
+                await security.ready()
                 cpu_before, host_before = plane.cpu_s(), host_cpu_busy_s()
                 requested = time.time_ns()
                 status, answer = await security.request("POST", "/api/v1/fleet/kill", timeout)

@@ -345,6 +345,7 @@ async def _agent_kills(world: World, floor: Floor, killer: RawHttp, kills: int, 
             wakes = await notify_wakes(world.anonymous)
             floors.append(await floor.sample())
             references.append(await reference_sample(killer))
+            await killer.ready()
             requested = time.time_ns()
             status, report = await killer.request("POST", f"/api/v1/agents/{h.agent_id}/kill")
             responded = time.time_ns()
@@ -430,6 +431,7 @@ async def _fleet_kills(world: World, security: RawHttp, held: list[Holding], rou
             [uuid.UUID(a) for a in ids])]
         before = await kill_stage_totals(world.anonymous)
         wakes = await notify_wakes(world.anonymous)
+        await security.ready()  # the set-up outlasted its keep-alive on a loaded host
         requested = time.time_ns()
         status, report = await security.request("POST", "/api/v1/fleet/kill")
         responded = time.time_ns()

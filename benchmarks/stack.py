@@ -70,27 +70,51 @@ async def bench_database(server_url: str) -> AsyncIterator[str]:
 class RawHttp:
     """A bare HTTP/1.1 keep-alive client for the timed requests. httpx, in this process and on
     this event loop, adds about a millisecond of its own to every request on this machine;
-    this one puts the request's bytes on the socket right after the clock is read."""
+    this one puts the request's bytes on the socket right after the clock is read.
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+    The server closes a keep-alive connection left idle (uvicorn: after 5 s): a fleet's set-up
+    on a loaded host takes longer than that, and the fleet kill written on the closed
+    connection then read an IncompleteRead. `ready()` opens a new connection first where the
+    old one was closed or idle too long; call it before reading the clock."""
+
+    IDLE_S = 3.0  # well under uvicorn's default keep-alive timeout of 5 s
+
+    def __init__(self, url: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  authorization: str) -> None:
+        self.url = url
         self.reader = reader
         self.writer = writer
         self.authorization = authorization
+        self.used = time.monotonic()
+
+    @staticmethod
+    async def _connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        host, port = url.removeprefix("http://").split(":")
+        return await asyncio.open_connection(host, int(port))
 
     @classmethod
     @contextlib.asynccontextmanager
     async def open(cls, url: str, authorization: str) -> AsyncIterator[RawHttp]:
-        host, port = url.removeprefix("http://").split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
+        client = cls(url, *await cls._connect(url), authorization)
         try:
-            yield cls(reader, writer, authorization)
+            yield client
         finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+            await client._close()
+
+    async def _close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(OSError):
+            await self.writer.wait_closed()
+
+    async def ready(self) -> None:
+        """A connection the server has not closed and will not close for a while."""
+        if self.reader.at_eof() or time.monotonic() - self.used > self.IDLE_S:
+            await self._close()
+            self.reader, self.writer = await self._connect(self.url)
+            self.used = time.monotonic()
 
     async def request(self, method: str, path: str, timeout: float = 30) -> tuple[int, Any]:
+        await self.ready()
         self.writer.write(
             f"{method} {path} HTTP/1.1\r\nhost: 127.0.0.1\r\n"
             f"authorization: {self.authorization}\r\ncontent-length: 0\r\n\r\n".encode())
@@ -103,6 +127,7 @@ class RawHttp:
             if length is None:
                 raise BenchmarkError(f"{method} {path}: a response without Content-Length")
             body = await self.reader.readexactly(length)
+        self.used = time.monotonic()
         return int(status_line.split()[1]), json.loads(body) if body else None
 
 
