@@ -18,6 +18,7 @@ import uvicorn
 from covey.db import migrate
 from covey.testing import SCRIPTED_DAEMON
 from covey.testing.plane import Plane, World, free_port, make_world, start_plane
+from harness.act.browser import chromium
 from harness.act.puppet import Puppet, create_app
 from harness.stack.postgres import create_database, database_of_its_own, postgres_server
 from harness.stack.waiting import eventually
@@ -102,3 +103,11 @@ def docker_client() -> Iterator[Any]:
         pytest.skip(f"no Docker engine or no {image} image (scripts/build-image): {exc}")
     yield client
     client.close()
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    """A real Chromium (skipped where none is installed), waiting up to 10 s for elements."""
+    with chromium() as driver:
+        driver.implicitly_wait(10)
+        yield driver

@@ -8,34 +8,19 @@ favicon once did). Screenshots stay under reports/ (COVEY_SCREENSHOT_DIR)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
 
 from covey.orchestrator import GuardTripReport
 from covey.testing.plane import World
-from harness.act.browser import chromium, pull_fleet_switch, screenshot_dir, sign_in
+from harness.act.browser import chromium, in_browser, pull_fleet_switch, screenshot_dir, sign_in
 from harness.stack.waiting import eventually
 
 PASSWORD = "correct horse battery"
 SECURITY = "security@acme.test"
-
-
-@pytest.fixture
-def browser() -> Iterator[Any]:
-    with chromium() as driver:
-        driver.implicitly_wait(10)
-        yield driver
-
-
-async def _in_browser(fn: Any, *args: Any) -> Any:
-    """Selenium blocks; the control plane under test runs on this very event loop."""
-    return await asyncio.to_thread(fn, *args)
 
 
 async def _working_agents(world: World, n: int) -> list[str]:
@@ -70,7 +55,7 @@ async def _shown(driver: Any, agent_id: str, want: dict[str, Any], what: str) ->
     seen: list[dict[str, Any]] = [{}]
 
     async def matches() -> bool:
-        seen[0] = await _in_browser(_row_state, driver, agent_id) or {}
+        seen[0] = await in_browser(_row_state, driver, agent_id) or {}
         return all(seen[0].get(k) == v for k, v in want.items())
     try:
         await eventually(matches, 20, f"the page never showed {what}", interval=0.2)
@@ -79,10 +64,10 @@ async def _shown(driver: Any, agent_id: str, want: dict[str, Any], what: str) ->
 
 
 async def _signed_in(world: World, driver: Any) -> None:
-    await _in_browser(sign_in, driver, world.plane.url, SECURITY, PASSWORD)
+    await in_browser(sign_in, driver, world.plane.url, SECURITY, PASSWORD)
 
     async def live() -> bool:
-        return bool(await _in_browser(driver.execute_script,
+        return bool(await in_browser(driver.execute_script,
                                       "return document.body.dataset.live === 'on'"))
     await eventually(live, 10, "the page never connected to the event stream")
 
@@ -95,11 +80,11 @@ async def test_an_agent_kill_asks_for_a_reason_and_its_buttons_follow_its_state(
                  "Kill (and no Resume) for a working agent")
 
     # One click opens the confirmation; it stops nothing.
-    await _in_browser(lambda: _in_row(browser, agent, "summary.kill").click())
+    await in_browser(lambda: _in_row(browser, agent, "summary.kill").click())
     await _shown(browser, agent, {"confirm": True}, "the kill's confirmation")
     # Confirming without a reason is refused by the form itself: nothing is even sent.
-    await _in_browser(lambda: _in_row(browser, agent, "button.kill-confirm").click())
-    missing, message = await _in_browser(browser.execute_script, (
+    await in_browser(lambda: _in_row(browser, agent, "button.kill-confirm").click())
+    missing, message = await in_browser(browser.execute_script, (
         "const row = document.querySelector(`tr[data-agent-id=\"${arguments[0]}\"]`);"
         "return [row.querySelector('.kill-reason').validity.valueMissing,"
         " document.getElementById('message').textContent]"), agent)
@@ -107,29 +92,29 @@ async def test_an_agent_kill_asks_for_a_reason_and_its_buttons_follow_its_state(
     assert not await world.db.fetchval("SELECT killed FROM agents WHERE id=$1",
                                        uuid.UUID(agent))
 
-    await _in_browser(lambda: _in_row(browser, agent, ".kill-reason").send_keys("rm -rf loop"))
-    await _in_browser(lambda: _in_row(browser, agent, "button.kill-confirm").click())
+    await in_browser(lambda: _in_row(browser, agent, ".kill-reason").send_keys("rm -rf loop"))
+    await in_browser(lambda: _in_row(browser, agent, "button.kill-confirm").click())
     await _shown(browser, agent, {"status": "killed", "kill": False, "resume": True},
                  "Resume (and no Kill) for the killed agent")
     detail = await world.db.fetchval(
         "SELECT detail FROM audit_log WHERE action='agent.kill' AND target=$1", agent)
     assert json.loads(detail)["reason"] == "rm -rf loop"
-    assert (await _in_browser(_row_state, browser, bystander))["kill"], \
+    assert (await in_browser(_row_state, browser, bystander))["kill"], \
         "the other agent's Kill went away with the killed one's"
 
     # What the stop did, as the kill's answer says it.
-    summary = await _in_browser(lambda: browser.find_element("id", "stop-summary").text)
+    summary = await in_browser(lambda: browser.find_element("id", "stop-summary").text)
     for said in ("1 agent(s) stopped", "1 session(s) cancelled",
                  "1 task(s) back in the backlog"):
         assert said in summary, f"the stop's summary lacks {said!r}: {summary!r}"
-    daemons = await _in_browser(lambda: [li.text for li in browser.find_elements(
+    daemons = await in_browser(lambda: [li.text for li in browser.find_elements(
         "css selector", "#stop-summary .daemons li")])
     slug = await world.db.fetchval("SELECT slug FROM agents WHERE id=$1", uuid.UUID(agent))
     assert len(daemons) == 1 and daemons[0].startswith(f"{slug}: its daemon "), daemons
-    await _in_browser(browser.save_screenshot,
+    await in_browser(browser.save_screenshot,
                       str(screenshot_dir() / "administration-agent-killed.png"))
 
-    await _in_browser(lambda: _in_row(browser, agent, "button.resume").click())
+    await in_browser(lambda: _in_row(browser, agent, "button.resume").click())
     await _shown(browser, agent, {"kill": True, "resume": False},
                  "Kill again once the agent was resumed")
     assert not await world.db.fetchval("SELECT killed FROM agents WHERE id=$1",
@@ -139,22 +124,22 @@ async def test_an_agent_kill_asks_for_a_reason_and_its_buttons_follow_its_state(
 async def test_an_agent_created_after_the_page_loaded_appears_without_a_reload(
         world: World, browser: Any) -> None:
     await _signed_in(world, browser)
-    loaded_at = await _in_browser(browser.execute_script, "return window.coveyPageLoadedAt")
+    loaded_at = await in_browser(browser.execute_script, "return window.coveyPageLoadedAt")
     late = (await world.agent("late-comer", budget_usd=2.5))["id"]
     await _shown(browser, late, {"kill": True, "resume": False, "spent": "$0.0000"},
                  "the agent created after it loaded, with its spend and its Kill")
-    budget = await _in_browser(lambda: _in_row(browser, late, ".budget").text)
+    budget = await in_browser(lambda: _in_row(browser, late, ".budget").text)
     assert budget == "$2.5000", budget
     # Its spend follows as its daemon reports costs (written as covey/api/daemon.py does).
     await world.db.execute("INSERT INTO cost_entries (agent_id, session_id, usd, tokens)"
                            " VALUES ($1, NULL, 0.1234, 900)", uuid.UUID(late))
     await _shown(browser, late, {"spent": "$0.1234"}, "the agent's spend as it grew")
     # Its switch works like any other's: the form was made for this agent.
-    await _in_browser(lambda: _in_row(browser, late, "summary.kill").click())
-    await _in_browser(lambda: _in_row(browser, late, ".kill-reason").send_keys("not ours"))
-    await _in_browser(lambda: _in_row(browser, late, "button.kill-confirm").click())
+    await in_browser(lambda: _in_row(browser, late, "summary.kill").click())
+    await in_browser(lambda: _in_row(browser, late, ".kill-reason").send_keys("not ours"))
+    await in_browser(lambda: _in_row(browser, late, "button.kill-confirm").click())
     await _shown(browser, late, {"status": "killed", "resume": True}, "the late agent killed")
-    assert await _in_browser(browser.execute_script,
+    assert await in_browser(browser.execute_script,
                              "return window.coveyPageLoadedAt") == loaded_at, "it reloaded"
 
 
@@ -162,10 +147,10 @@ async def test_after_the_fleet_stop_the_page_says_what_it_did(world: World,
                                                               browser: Any) -> None:
     agents = await _working_agents(world, 2)
     await _signed_in(world, browser)
-    await _in_browser(pull_fleet_switch, browser, "drill: the whole fleet")
+    await in_browser(pull_fleet_switch, browser, "drill: the whole fleet")
 
     async def summarised() -> str | None:
-        text: str = await _in_browser(lambda: browser.find_element("id", "stop-summary").text)
+        text: str = await in_browser(lambda: browser.find_element("id", "stop-summary").text)
         return text if "agent(s) stopped" in text else None
     summary = await eventually(summarised, 20, "the page never said what the stop did")
     requeued = await world.db.fetchval(
@@ -175,7 +160,7 @@ async def test_after_the_fleet_stop_the_page_says_what_it_did(world: World,
     for said in ("2 agent(s) stopped", "2 session(s) cancelled",
                  f"{requeued} task(s) back in the backlog"):
         assert said in summary, f"the summary lacks {said!r}: {summary!r}"
-    daemons = await _in_browser(lambda: {li.get_attribute("data-session-id"): li.text
+    daemons = await in_browser(lambda: {li.get_attribute("data-session-id"): li.text
                                          for li in browser.find_elements(
                                              "css selector", "#stop-summary .daemons li")})
     cancelled = {str(r["id"]) for r in await world.db.fetch(
@@ -183,7 +168,7 @@ async def test_after_the_fleet_stop_the_page_says_what_it_did(world: World,
         [uuid.UUID(a) for a in agents])}
     assert set(daemons) == cancelled, f"daemons said: {daemons}, cancelled: {cancelled}"
     assert all(": its daemon " in text for text in daemons.values()), daemons
-    await _in_browser(browser.save_screenshot,
+    await in_browser(browser.save_screenshot,
                       str(screenshot_dir() / "administration-stop-summary.png"))
 
 
@@ -210,7 +195,7 @@ async def test_failed_tasks_and_guard_trips_show_with_their_reasons(
     assert refused is None, refused
 
     async def shown() -> tuple[str, str] | None:
-        tasks, trips = await _in_browser(browser.execute_script, (
+        tasks, trips = await in_browser(browser.execute_script, (
             "return [document.getElementById('failed-tasks').textContent,"
             " document.getElementById('guard-trips').textContent]"))
         return (tasks, trips) if "daemon was lost" in tasks and "search_orders" in trips \
@@ -226,7 +211,7 @@ async def test_at_390_px_the_switch_is_on_screen_and_nothing_404s(world: World) 
     with chromium(window="390,844") as phone:
         phone.implicitly_wait(10)
         await _signed_in(world, phone)
-        layout = await _in_browser(phone.execute_script, """
+        layout = await in_browser(phone.execute_script, """
             const inside = (el) => { const r = el.getBoundingClientRect();
                                      return r.width > 0 && r.left >= 0
                                             && r.right <= window.innerWidth; };
@@ -237,9 +222,9 @@ async def test_at_390_px_the_switch_is_on_screen_and_nothing_404s(world: World) 
         assert layout["scroll"] <= layout["width"], f"the page scrolls sideways: {layout}"
         assert layout["fleet"], f"the fleet switch is off screen at 390 px: {layout}"
         assert layout["kills"] and all(layout["kills"]), f"an agent's Kill is off screen: {layout}"
-        await _in_browser(phone.save_screenshot,
+        await in_browser(phone.save_screenshot,
                           str(screenshot_dir() / "administration-390px.png"))
-        errors = [e for e in await _in_browser(phone.get_log, "browser")
+        errors = [e for e in await in_browser(phone.get_log, "browser")
                   if e["level"] == "SEVERE"]
         assert not errors, f"the page logged errors (a 404?): {errors}"
     async with httpx.AsyncClient(base_url=world.plane.url) as client:

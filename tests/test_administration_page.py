@@ -5,31 +5,24 @@ Screenshots stay under reports/ (COVEY_SCREENSHOT_DIR) for people to look at."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 
 from covey.testing.plane import World
-from harness.act.browser import chromium, click, pull_fleet_switch, screenshot_dir, sign_in
+from harness.act.browser import (
+    click,
+    in_browser,
+    pull_fleet_switch,
+    screenshot_dir,
+    sign_in,
+)
 from harness.stack.waiting import eventually
 
 PASSWORD = "correct horse battery"
-
-
-@pytest.fixture
-def browser() -> Iterator[Any]:
-    with chromium() as driver:
-        driver.implicitly_wait(10)
-        yield driver
-
-
-async def _in_browser(fn: Any, *args: Any) -> Any:
-    """Selenium blocks; the control plane under test runs on this very event loop."""
-    return await asyncio.to_thread(fn, *args)
 
 
 def _statuses(driver: Any) -> dict[str, str]:
@@ -51,14 +44,14 @@ async def _working_agents(world: World, n: int) -> list[str]:
 
 async def _live(driver: Any) -> None:
     async def on() -> bool:
-        return bool(await _in_browser(driver.execute_script,
+        return bool(await in_browser(driver.execute_script,
                                       "return document.body.dataset.live === 'on'"))
     await eventually(on, 10, "the page never connected to the event stream")
 
 
 @pytest.fixture
 async def signed_in_security(world: World, browser: Any) -> AsyncIterator[Any]:
-    await _in_browser(sign_in, browser, world.plane.url, "security@acme.test", PASSWORD)
+    await in_browser(sign_in, browser, world.plane.url, "security@acme.test", PASSWORD)
     await _live(browser)
     yield browser
 
@@ -66,25 +59,25 @@ async def signed_in_security(world: World, browser: Any) -> AsyncIterator[Any]:
 async def test_security_pulls_the_red_button_and_sees_the_fleet_stop_live(
         world: World, browser: Any) -> None:
     agents = await _working_agents(world, 2)
-    await _in_browser(sign_in, browser, world.plane.url, "security@acme.test", PASSWORD)
+    await in_browser(sign_in, browser, world.plane.url, "security@acme.test", PASSWORD)
     await _live(browser)
-    loaded_at = await _in_browser(browser.execute_script, "return window.coveyPageLoadedAt")
-    assert set(agents) <= set((await _in_browser(_statuses, browser)).keys())
+    loaded_at = await in_browser(browser.execute_script, "return window.coveyPageLoadedAt")
+    assert set(agents) <= set((await in_browser(_statuses, browser)).keys())
 
-    await _in_browser(pull_fleet_switch, browser, "runaway spend on the billing agents")
+    await in_browser(pull_fleet_switch, browser, "runaway spend on the billing agents")
 
     async def stopped() -> bool:
-        state = await _in_browser(browser.execute_script,
+        state = await in_browser(browser.execute_script,
                                   "return document.getElementById('fleet-state').dataset.killed")
-        statuses = await _in_browser(_statuses, browser)
+        statuses = await in_browser(_statuses, browser)
         return state == "true" and all(statuses[a] == "killed" for a in agents)
     await eventually(stopped, 15, "the page never showed the emergency stop and killed agents")
-    banner = await _in_browser(lambda: browser.find_element("id", "fleet-state").text)
+    banner = await in_browser(lambda: browser.find_element("id", "fleet-state").text)
     assert "EMERGENCY STOP" in banner and "security@acme.test" in banner \
         and "runaway spend on the billing agents" in banner, banner
-    assert await _in_browser(browser.execute_script, "return window.coveyPageLoadedAt") \
+    assert await in_browser(browser.execute_script, "return window.coveyPageLoadedAt") \
         == loaded_at, "the page reloaded: the stop must show live"
-    await _in_browser(browser.save_screenshot,
+    await in_browser(browser.save_screenshot,
                       str(screenshot_dir() / "administration-fleet-stopped.png"))
 
     fleet = (await world.auditor.get("/api/v1/fleet")).json()
@@ -97,17 +90,17 @@ async def test_security_pulls_the_red_button_and_sees_the_fleet_stop_live(
     assert json.loads(audit["detail"])["reason"] == "runaway spend on the billing agents"
 
     # Resume from the page: the agents come back to their held work.
-    await _in_browser(click, browser, "fleet-resume")
+    await in_browser(click, browser, "fleet-resume")
     for a in agents:
         await world.wait_working(a)
 
     async def running() -> bool:
-        state = await _in_browser(browser.execute_script,
+        state = await in_browser(browser.execute_script,
                                   "return document.getElementById('fleet-state').dataset.killed")
-        statuses = await _in_browser(_statuses, browser)
+        statuses = await in_browser(_statuses, browser)
         return state == "false" and all(statuses[a] == "working+session" for a in agents)
     await eventually(running, 15, "the page never showed the fleet running again")
-    await _in_browser(browser.save_screenshot,
+    await in_browser(browser.save_screenshot,
                       str(screenshot_dir() / "administration-fleet-resumed.png"))
 
 
@@ -117,10 +110,10 @@ async def test_a_live_update_leaves_the_confirmation_open_while_the_reason_is_ty
     change status all the time, and a refresh that closed it would take the form away from
     an on-call engineer halfway through typing why (and their next click lands elsewhere)."""
     other, = await _working_agents(world, 1)
-    await _in_browser(sign_in, browser, world.plane.url, "security@acme.test", PASSWORD)
+    await in_browser(sign_in, browser, world.plane.url, "security@acme.test", PASSWORD)
     await _live(browser)
-    await _in_browser(click, browser, "fleet-kill")
-    await _in_browser(lambda: browser.find_element("id", "fleet-reason").send_keys("the bill"))
+    await in_browser(click, browser, "fleet-kill")
+    await in_browser(lambda: browser.find_element("id", "fleet-reason").send_keys("the bill"))
 
     # Another agent stops meanwhile: its status event makes the page re-read the fleet,
     # which fills in the kill origin (the event alone carries only the status).
@@ -128,12 +121,12 @@ async def test_a_live_update_leaves_the_confirmation_open_while_the_reason_is_ty
     assert r.status_code == 200, r.text
 
     async def refreshed() -> bool:
-        origin = await _in_browser(
+        origin = await in_browser(
             browser.execute_script, "return document.querySelector("
             "'tr[data-agent-id=\"' + arguments[0] + '\"] .origin').textContent", other)
         return bool(origin)
     await eventually(refreshed, 15, "the page never re-read the agents after the kill")
-    still_open, typed = await _in_browser(browser.execute_script, (
+    still_open, typed = await in_browser(browser.execute_script, (
         "return [document.getElementById('fleet-stop').open, "
         "document.getElementById('fleet-reason').value]"))
     assert still_open, "a live update closed the fleet stop's confirmation"
@@ -143,15 +136,15 @@ async def test_a_live_update_leaves_the_confirmation_open_while_the_reason_is_ty
 async def test_an_auditor_sees_the_state_and_no_button(world: World, browser: Any) -> None:
     await _working_agents(world, 1)
     await world.security.post("/api/v1/fleet/kill", json={"reason": "drill"})
-    await _in_browser(sign_in, browser, world.plane.url, "auditor@acme.test", PASSWORD)
-    banner = await _in_browser(lambda: browser.find_element("id", "fleet-state").text)
+    await in_browser(sign_in, browser, world.plane.url, "auditor@acme.test", PASSWORD)
+    banner = await in_browser(lambda: browser.find_element("id", "fleet-state").text)
     assert "EMERGENCY STOP" in banner and "drill" in banner, banner
     browser.implicitly_wait(0)
     for button in ("fleet-kill", "fleet-confirm", "fleet-resume"):
-        assert not await _in_browser(browser.find_elements, "id", button), \
+        assert not await in_browser(browser.find_elements, "id", button), \
             f"an auditor sees the {button} button"
-    assert not await _in_browser(browser.find_elements, "css selector", "button.kill")
-    await _in_browser(browser.save_screenshot,
+    assert not await in_browser(browser.find_elements, "css selector", "button.kill")
+    await in_browser(browser.save_screenshot,
                       str(screenshot_dir() / "administration-auditor.png"))
 
 

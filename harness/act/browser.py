@@ -8,6 +8,7 @@ COVEY_REQUIRE_BROWSER=1 (CI, where a skipped browser test would hide a broken pa
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 from collections.abc import Iterator
@@ -109,3 +110,9 @@ def pull_fleet_switch(driver: Any, reason: str) -> None:
     click(driver, "fleet-kill")
     type_into(driver, "fleet-reason", reason)
     click(driver, "fleet-confirm")
+
+
+async def in_browser(fn: Any, *args: Any) -> Any:
+    """Run one of Selenium's blocking calls off the event loop: in the tests, the control
+    plane under test serves on this very loop."""
+    return await asyncio.to_thread(fn, *args)
