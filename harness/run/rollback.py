@@ -13,6 +13,7 @@ journal. What it could not restore is a loud error.
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -93,16 +94,25 @@ async def _heal_faults(day: GameDay, report: RollbackReport) -> None:
         report.could_not.append(healed.message)
 
 
-async def _stop_agents(day: GameDay, admin: CoveyClient, report: RollbackReport) -> None:
+async def _each_agent(day: GameDay, admin: CoveyClient, report: RollbackReport,
+                      act: Callable[[CoveyClient, str], Awaitable[httpx.Response]],
+                      done: str, failed: str) -> None:
+    """One call per agent of the game day (probes first), by whoever may make it; `done` and
+    `failed` say what each outcome means ({agent} names the agent, {exc} the failure)."""
     for agent_id in [*day.probe_agents, *day.agents]:
-        slug = day.agents.get(agent_id, {}).get("slug", "probe")
+        agent = f"{day.agents.get(agent_id, {}).get('slug', 'probe')} ({agent_id})"
         try:
-            json_of(await _admin_of(day, agent_id, admin).kill_agent(agent_id))
+            json_of(await act(_admin_of(day, agent_id, admin), agent_id))
         except (ApiFailure, httpx.HTTPError) as exc:
-            report.could_not.append(f"agent {slug} ({agent_id}) may still run: its kill "
-                                    f"failed: {exc}")
+            report.could_not.append(failed.format(agent=agent, exc=exc))
         else:
-            report.restored.append(f"stopped agent {slug} ({agent_id}) with its own switch")
+            report.restored.append(done.format(agent=agent))
+
+
+async def _stop_agents(day: GameDay, admin: CoveyClient, report: RollbackReport) -> None:
+    await _each_agent(day, admin, report, lambda who, a: who.kill_agent(a),
+                      "stopped agent {agent} with its own switch",
+                      "agent {agent} may still run: its kill failed: {exc}")
 
 
 async def _release_fleet(day: GameDay, admin: CoveyClient, report: RollbackReport) -> None:
@@ -201,15 +211,9 @@ async def _retire_agents(day: GameDay, admin: CoveyClient, report: RollbackRepor
     why = dialect(day.dialect_name).retires_agents
     if why is None:
         return
-    for agent_id in [*day.probe_agents, *day.agents]:
-        slug = day.agents.get(agent_id, {}).get("slug", "probe")
-        try:
-            json_of(await _admin_of(day, agent_id, admin).delete_agent(agent_id))
-        except (ApiFailure, httpx.HTTPError) as exc:
-            report.could_not.append(f"agent {slug} ({agent_id}) is left stopped, not deleted "
-                                    f"({why}): {exc}")
-        else:
-            report.restored.append(f"deleted agent {slug} ({agent_id}): {why}")
+    await _each_agent(day, admin, report, lambda who, a: who.delete_agent(a),
+                      f"deleted agent {{agent}}: {why}",
+                      f"agent {{agent}} is left stopped, not deleted ({why}): {{exc}}")
 
 
 async def roll_back(day: GameDay) -> RollbackReport:
