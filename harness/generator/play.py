@@ -29,6 +29,7 @@ from harness.judge.checkers import Verdict
 from harness.record.gameday import GameDay
 from harness.run.rollback import roll_back
 from harness.run.steady import prepare
+from harness.stack.waiting import retried
 
 GENERATOR = "generator"
 HEARTBEAT = "hourly"
@@ -38,6 +39,7 @@ FINISHED = ("done", "failed")
 # After the incident: how long the control plane may take to answer again once every fault
 # is healed (a restart, its database reconnected) on a loaded 2-core machine.
 PLANE_BACK_S = 90.0
+RESUME_TRIES = 3  # a resume after the incident that meets an outage, tried again
 T = TypeVar("T")
 
 
@@ -221,20 +223,21 @@ async def settle(day: GameDay, agents: list[dict[str, Any]], deadline_s: float) 
     for agent in agents:
         await day.endpoints.puppet.assign(agent["id"], "well_behaved")
     security = day.as_("security")
-    for attempt in range(3):  # a resume refused by a passing fault is tried again
-        try:
-            _unless_outage(await security.resume_fleet())
-            for agent in agents:
-                if json_of(await day.people["auditor"].agent(agent["id"]))["killed"]:
-                    _unless_outage(await security.resume_agent(agent))
-            break
-        except (ApiFailure, httpx.HTTPError) as exc:
-            if isinstance(exc, ApiFailure) and outage(exc) is None:
-                raise
-            await asyncio.sleep(1 + attempt)
-    else:
-        return ("the fleet and its agents could not be resumed after the incident: three "
-                "tries met an outage")
+
+    async def resume() -> None:
+        _unless_outage(await security.resume_fleet())
+        for agent in agents:
+            if json_of(await day.people["auditor"].agent(agent["id"]))["killed"]:
+                _unless_outage(await security.resume_agent(agent))
+    try:  # a resume refused by a passing fault is tried again
+        await retried(resume, RESUME_TRIES, wait_s=lambda attempt, _: float(attempt),
+                      on=lambda e: isinstance(e, httpx.HTTPError) or (
+                          isinstance(e, ApiFailure) and outage(e) is not None))
+    except (ApiFailure, httpx.HTTPError) as exc:
+        if isinstance(exc, ApiFailure) and outage(exc) is None:
+            raise
+        return (f"the fleet and its agents could not be resumed after the incident: "
+                f"{RESUME_TRIES} tries met an outage")
     deadline = time.monotonic() + deadline_s
     left: list[str] = []
     while time.monotonic() < deadline:
