@@ -7,7 +7,8 @@ import asyncio
 import os
 import signal
 import time
-from pathlib import Path
+
+import psutil
 
 from harness.nemesis.faults import FaultKind
 from harness.nemesis.standing import Fault
@@ -16,13 +17,22 @@ from harness.nemesis.watchdog import HealOrder
 STOP_WAIT_S = 5.0
 
 
+# psutil's process statuses as the one letter ps and /proc show (T: stopped).
+STATE_LETTERS = {
+    psutil.STATUS_RUNNING: "R", psutil.STATUS_SLEEPING: "S", psutil.STATUS_DISK_SLEEP: "D",
+    psutil.STATUS_STOPPED: "T", psutil.STATUS_TRACING_STOP: "t", psutil.STATUS_ZOMBIE: "Z",
+    psutil.STATUS_DEAD: "X", psutil.STATUS_IDLE: "I"}
+
+
 def process_state(pid: int) -> str | None:
-    """The one-letter state in /proc (T: stopped); None without /proc or without the process.
-    A read of procfs never waits on a disk, so this is fine on the event loop."""
+    """The process's state as one letter (T: stopped); None without the process, or where
+    psutil cannot tell. A read of procfs never waits on a disk, so this is fine on the event
+    loop."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
+        status = psutil.Process(pid).status()
+    except (psutil.Error, OSError):
         return None
+    return STATE_LETTERS.get(status, status[:1].upper())
 
 
 async def _stopped(pid: int, within_s: float) -> bool:
