@@ -29,7 +29,7 @@ from harness.judge.checkers import Verdict
 from harness.record.gameday import GameDay
 from harness.run.rollback import roll_back
 from harness.run.steady import prepare
-from harness.stack.waiting import retried
+from harness.stack.waiting import eventually, retried
 
 GENERATOR = "generator"
 HEARTBEAT = "hourly"
@@ -238,19 +238,21 @@ async def settle(day: GameDay, agents: list[dict[str, Any]], deadline_s: float) 
             raise
         return (f"the fleet and its agents could not be resumed after the incident: "
                 f"{RESUME_TRIES} tries met an outage")
-    deadline = time.monotonic() + deadline_s
     left: list[str] = []
-    while time.monotonic() < deadline:
+
+    async def finished() -> bool:
+        nonlocal left
         tasks = await ride_out(day, "tasks", day.read_tasks)
-        if tasks is None:
-            await asyncio.sleep(0.5)
-            continue
+        if tasks is None:  # an outage read: not yet
+            return False
         left = [f"{t['id']} ({t['state']})" for t in tasks.values() if t["state"] not in FINISHED]
-        if not left:
-            return None
-        await asyncio.sleep(0.5)
-    return (f"{len(left)} tasks were not finished {deadline_s:.0f} s after the incident "
-            f"ended: {', '.join(left[:5])}")
+        return not left
+    try:
+        await eventually(finished, deadline_s, "tasks unfinished", interval=0.5)
+    except AssertionError:
+        return (f"{len(left)} tasks were not finished {deadline_s:.0f} s after the incident "
+                f"ended: {', '.join(left[:5])}")
+    return None
 
 
 async def play(day: GameDay, schedule: Schedule, *, settle_s: float = 90) -> Played:

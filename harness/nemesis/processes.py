@@ -3,16 +3,15 @@ database server and its backends), and SIGKILL."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import time
 
 import psutil
 
 from harness.nemesis.faults import FaultKind
 from harness.nemesis.standing import Fault
 from harness.nemesis.watchdog import HealOrder
+from harness.stack.waiting import eventually
 
 STOP_WAIT_S = 5.0
 
@@ -38,12 +37,12 @@ def process_state(pid: int) -> str | None:
 async def _stopped(pid: int, within_s: float) -> bool:
     """Whether `pid` is seen stopped within `within_s`: a signal takes effect only when the
     process is next scheduled. Where /proc cannot tell, there is nothing to wait for."""
-    deadline = time.monotonic() + within_s
-    while process_state(pid) not in (None, "T", "t"):
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.002)
-    return True
+    async def stopped() -> bool:
+        return process_state(pid) in (None, "T", "t")
+    try:
+        return await eventually(stopped, within_s, f"pid {pid} stopped", interval=0.002)
+    except AssertionError:
+        return False
 
 
 class ProcessPause(Fault):
