@@ -36,7 +36,7 @@ def process_state(pid: int) -> str | None:
 
 async def _stopped(pid: int, within_s: float) -> bool:
     """Whether `pid` is seen stopped within `within_s`: a signal takes effect only when the
-    process is next scheduled. Where /proc cannot tell, there is nothing to wait for."""
+    process is next scheduled. Where psutil cannot tell, there is nothing to wait for."""
     async def stopped() -> bool:
         return process_state(pid) in (None, "T", "t")
     try:
