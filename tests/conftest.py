@@ -20,10 +20,21 @@ from covey.testing import SCRIPTED_DAEMON
 from covey.testing.plane import Plane, World, free_port, make_world, start_plane
 from harness.act.browser import chromium
 from harness.act.puppet import Puppet, create_app
+from harness.nemesis.watchdog import STATE_ENV
 from harness.stack.postgres import create_database, database_of_its_own, postgres_server
 from harness.stack.waiting import eventually
 
 COVEYD = [sys.executable, "-m", "covey.coveyd"]
+
+
+@pytest.fixture(autouse=True)
+def nemesis_state_of_its_own(monkeypatch: pytest.MonkeyPatch,
+                             tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Each test keeps the nemesis's standing faults, running game days and halt in a folder
+    of its own (and so does every harness it starts): in the machine-wide default, a test's
+    halt would heal another test's faults and stop its game days, and a halt pulled by
+    anybody on this host would refuse the tests' game days."""
+    monkeypatch.setenv(STATE_ENV, str(tmp_path_factory.mktemp("nemesis-state")))
 
 
 @pytest.fixture(scope="session")

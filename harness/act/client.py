@@ -4,10 +4,11 @@ error and hint rather than a KeyError later."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import httpx
+
+from harness.stack.waiting import retried
 
 Json = dict[str, Any]
 
@@ -53,21 +54,16 @@ class CoveyClient:
         """GET, waited out while the control plane sheds reads (429 with Retry-After: it
         bounds the reads it serves at once, so that none of them delays a kill), at most
         SHED_TRIES times; the last answer is returned as it came."""
-        for _ in range(SHED_TRIES - 1):
-            response = await self._get_once(path, params)
-            if response.status_code != 429:
-                return response
-            await asyncio.sleep(retry_after_s(response))
-        return await self._get_once(path, params)
+        return await retried(lambda: self._get_once(path, params), SHED_TRIES,
+                             again=lambda r: r.status_code == 429,
+                             wait_s=lambda _, r: 0.0 if r is None else retry_after_s(r))
 
     async def _get_once(self, path: str, params: dict[str, Any]) -> httpx.Response:
         """Retried once when the server closed the kept-alive connection just as it was
         reused (httpx then sees "Server disconnected without sending a response"): a read is
         safe to repeat, and a game day must not fail on that race."""
-        try:
-            return await self.http.get(path, params=params or None)
-        except httpx.RemoteProtocolError:
-            return await self.http.get(path, params=params or None)
+        return await retried(lambda: self.http.get(path, params=params or None), 2,
+                             on=lambda e: isinstance(e, httpx.RemoteProtocolError))
 
     @classmethod
     async def signed_in(cls, base_url: str, email: str, password: str,

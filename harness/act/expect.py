@@ -25,9 +25,11 @@ from harness.stack.isolation import strangers_stopped
 from harness.stack.waiting import eventually
 
 if TYPE_CHECKING:
-    from harness.act.operator import AgentRef, Operator
+    from harness.act.operator import AgentRef, Operator, Until
     from harness.nemesis import FaultRecord
-    from harness.record.gameday import GameDay
+    from harness.record.recorder import Recorder
+    from harness.stack.base import Endpoints
+    from harness.stack.isolation import Organisation
 
 LIVE = ("starting", "running")
 RELEASE_WAKE_S = 3.0
@@ -66,10 +68,16 @@ class FleetStop:
 
 
 class Expect:
-    def __init__(self, day: GameDay) -> None:
-        self.day = day
-        self.auditor = day.people["auditor"]
-        self.dialect = dialect(day.dialect_name)
+    """The checks, reading through `recorder` (the game day's history, agents and people),
+    acting as `as_(role)`, waiting with `until`, and looking at the puppet's ledger in
+    `endpoints`; `organisation` is where the game day runs (None: not known)."""
+
+    def __init__(self, recorder: Recorder, until: Until, as_: Callable[[str], Operator],
+                 endpoints: Endpoints, organisation: Organisation | None) -> None:
+        self.recorder, self.until, self.as_ = recorder, until, as_
+        self.endpoints, self.organisation = endpoints, organisation
+        self.auditor = recorder.people["auditor"]
+        self.dialect = dialect(recorder.dialect_name)
 
     async def fleet_stop_answer(self, report: dict[str, Any],
                                 agents: Iterable[dict[str, Any]]) -> FleetStop:
@@ -80,9 +88,9 @@ class Expect:
             return await self._fleet_stop_read_back(list(agents), report)
         mine, stopped = {a["id"] for a in agents}, set(report["agents_stopped"])
         rule(mine <= stopped, f"the fleet stop left agents running: {sorted(mine - stopped)}")
-        strangers = await strangers_stopped(self.day, mine, stopped)
+        strangers = await strangers_stopped(self.organisation, self.auditor, mine, stopped)
         rule(strangers is None, str(strangers))
-        tasks = await self.day.read_tasks()
+        tasks = await self.recorder.read_tasks()
         requeued = {t for t in report["tasks_requeued"] if t in tasks}
         rule(bool(requeued), "the fleet stop requeued none of the game day's tasks")
         cancelled = set(report["sessions_cancelled"])
@@ -99,19 +107,19 @@ class Expect:
         """The fleet stop as the system shows it after an answer that says nothing: every
         agent flagged; the tasks a read before the kill showed in progress open again; the
         sessions (sandboxes) the kill cut."""
-        self.day.notes.append(
+        self.recorder.notes.append(
             f"the {self.dialect.name} fleet kill answered {report}: whether every daemon held "
             f"the kill before the answer is not known; agents, tasks and sandboxes read back")
-        kill = [op for op in self.day.history.operations("kill_fleet") if op.type == "ok"][-1]
-        flagged = {a["id"]: json_of(await self.day.reader(a["id"]).agent(a["id"]))["killed"]
+        kill = [op for op in self.recorder.history.operations("kill_fleet") if op.type == "ok"][-1]
+        flagged = {a["id"]: json_of(await self.recorder.reader(a["id"]).agent(a["id"]))["killed"]
                    for a in agents}
         rule(all(flagged.values()), f"the fleet stop left agents running (not flagged): "
              f"{sorted(a for a, k in flagged.items() if not k)}")
         before: dict[str, str] = {}
-        for e in self.day.history.select(f="task_state"):
+        for e in self.recorder.history.select(f="task_state"):
             if e.time_ns < kill.start_ns:
                 before[str(e.value["task_id"])] = str(e.value["state"])
-        tasks = await self.day.read_tasks()
+        tasks = await self.recorder.read_tasks()
         requeued = {t for t, s in before.items() if s == "in_progress"
                     and tasks.get(t, {}).get("state") == "open"}
         rule(bool(requeued), "the fleet stop requeued none of the game day's tasks")
@@ -119,7 +127,7 @@ class Expect:
         # as the kill came ends its session on its own, exit 0, as no cancelled one does).
         working = {tasks[t]["agent_id"] for t in requeued}
         cancelled = {s["id"] for a in agents if a["id"] in working
-                     for s in await self._sessions(a["id"])
+                     for s in await self.recorder.sessions(a["id"])
                      if _ns(s["started_at"]) < kill.start_ns
                      and (s["ended_at"] is None or _ns(s["ended_at"]) >= kill.start_ns)}
         rule(bool(cancelled), "the fleet stop found no session to stop")
@@ -146,7 +154,7 @@ class Expect:
         """A killed warm agent keeps no sandbox, parked or running: the ones the kill says
         it evicted are gone, and none is left in any case."""
         report = json_of(answer)
-        boxes = {s["id"]: s["state"] for s in await self.day.sandboxes(agent["id"])}
+        boxes = {s["id"]: s["state"] for s in await self.recorder.sandboxes(agent["id"])}
         evicted = report.get("evicted_sandboxes", []) if self.dialect.reports else []
         rule(all(boxes[b] in ("evicted", "gone") for b in evicted)
              and not [s for s in boxes.values() if s in ("parked", "running")],
@@ -157,11 +165,11 @@ class Expect:
         """Every daemon of the stopped sessions exited with 3 (the kill switch). Returns the
         agents that had one of those sessions."""
         agents = list(agents)
-        stopped = {a["id"]: [s for s in json_of(await self.day.reader(a["id"]).sessions(a["id"]))
+        stopped = {a["id"]: [s for s in await self.recorder.sessions(a["id"])
                              if s["id"] in sessions] for a in agents}
         boxes = {s["sandbox_id"] for ss in stopped.values() for s in ss}
         exits = {s["id"]: s["exit_code"] for a in agents
-                 for s in await self.day.sandboxes(a["id"]) if s["id"] in boxes}
+                 for s in await self.recorder.sandboxes(a["id"]) if s["id"] in boxes}
         rule(exits == dict.fromkeys(boxes, 3),
              f"daemons that did not obey the kill (exit code 3 expected): {exits}")
         return {agent for agent, ss in stopped.items() if ss}
@@ -169,7 +177,7 @@ class Expect:
     async def work_back_in_the_backlog(self, stop: FleetStop, in_progress: set[str]) -> None:
         """Nothing is left in progress; what the stop requeued is open; what was in progress
         went back to open unless it finished first."""
-        tasks = await self.day.read_tasks()
+        tasks = await self.recorder.read_tasks()
         left = sorted(t for t, task in tasks.items() if task["state"] == "in_progress")
         rule(not left, f"tasks still in progress after the stop: {left}")
         rule(all(tasks[t]["state"] == "open" for t in stop.requeued),
@@ -184,12 +192,12 @@ class Expect:
         new-task wake and the scheduler's ticks, and the manual heartbeat fire, the trigger
         and a manual wake bounce with 409 and the hint; no session of either agent starts.
         `by`: who acts (default: the game day's org admin)."""
-        by = self.day.as_("org_admin") if by is None else by
+        by = self.as_("org_admin") if by is None else by
         agents = {a["id"]: a for a in (agent, triggered)}
-        before = {s["id"] for a in agents for s in await self._sessions(a)}
+        before = {s["id"] for a in agents for s in await self.recorder.sessions(a)}
         fresh = json_of(await by.create_task(agent, "arrived during the stop"), 201)
         await asyncio.sleep(window_s)  # the window in which nothing may start
-        state = json_of(await self.day.reader(agent["id"]).task(agent["id"], fresh["id"])
+        state = json_of(await self.recorder.reader(agent["id"]).task(agent["id"], fresh["id"])
                         )["state"]
         rule(state == "open", f"a task that arrived during {stop} was started (it is "
              f"{state}): the new-task wake or the scheduler's tick ignored the stop")
@@ -202,13 +210,8 @@ class Expect:
             rule((r.status_code, r.json()) == (status, body),
                  f"{what} was not refused during {stop}: {r.status_code} {r.text[:200]} "
                  f"(the {self.dialect.name} refusal: {status} {body})")
-        started = {s["id"] for a in agents for s in await self._sessions(a)} - before
+        started = {s["id"] for a in agents for s in await self.recorder.sessions(a)} - before
         rule(not started, f"sessions started during {stop}: {sorted(started)}")
-
-    async def _sessions(self, agent_id: str) -> list[dict[str, Any]]:
-        found: list[dict[str, Any]] = json_of(
-            await self.day.reader(agent_id).sessions(agent_id))
-        return found
 
     def honest_answer(self, answer: httpx.Response, what: str) -> None:
         """An answer given while a fault stands: it took effect (200) or said it could not
@@ -237,7 +240,7 @@ class Expect:
         the calls per agent follow it."""
         late = {}
         for a in agents:
-            calls = [e for e in await self.day.endpoints.puppet.actions(a["id"])
+            calls = [e for e in await self.endpoints.puppet.actions(a["id"])
                      if after_ns < e.at_ns and (before_ns is None or e.at_ns < before_ns)]
             if calls:
                 late[a["id"]] = len(calls)
@@ -252,27 +255,27 @@ class Expect:
         died), read on this machine where the stack allows. The figure: the last
         request's send after the death, in ms (`last_request_after_plane_died_ms`)."""
         calls = [(e.sent_ns or e.at_ns) - died_ns for a in agents
-                 for e in await self.day.endpoints.puppet.actions(a["id"])]
+                 for e in await self.endpoints.puppet.actions(a["id"])]
         after = [ns for ns in calls if ns > 0]
-        self.day.measurements["last_request_after_plane_died_ms"] = round(
+        self.recorder.measurements["last_request_after_plane_died_ms"] = round(
             max(after, default=0) / 1e6, 1)
         late = [round(ns / 1e6) for ns in after if ns > slack_s * 1e9]
         rule(not late, f"daemons kept calling their model after their control plane died "
              f"(ms after its death: {late}), more than {slack_s} s: they did not fail closed")
-        exits = await self.day.daemon_exits(sandbox_ids)
+        exits = await self.recorder.daemon_exits(sandbox_ids)
         if exits is None:
-            self.day.notes.append(f"the {self.day.stack} stack's daemon exits are not on this "
-                                  "machine: exit codes not checked")
+            self.recorder.notes.append(f"the {self.recorder.stack} stack's daemon exits are "
+                                       "not on this machine: exit codes not checked")
             return
 
         async def all_exited() -> bool:
             nonlocal exits
-            exits = await self.day.daemon_exits(sandbox_ids)
+            exits = await self.recorder.daemon_exits(sandbox_ids)
             return exits is not None and all(e.code is not None for e in exits.values())
         with contextlib.suppress(AssertionError):  # the rule below says what is missing
             await eventually(all_exited, deadline_s, "daemons exited")
         seen = Counter(f"{e.code} ({e.why[:100]})" for e in (exits or {}).values())
-        self.day.notes.append(f"the daemons' exits: {dict(seen)}")
+        self.recorder.notes.append(f"the daemons' exits: {dict(seen)}")
         wrong = {s[:8]: (e.code, e.why[:120]) for s, e in (exits or {}).items()
                  if e.code != 3 or not any(w in e.why for w in WHYS_OF_A_SWITCH)}
         rule(not wrong, f"daemons that lost their control plane did not fail closed (exit 3, "
@@ -280,29 +283,29 @@ class Expect:
 
     async def nothing_in_progress(self, after: str) -> None:
         """No task of the game day is in progress any more."""
-        left = [t["id"] for t in (await self.day.read_tasks()).values()
+        left = [t["id"] for t in (await self.recorder.read_tasks()).values()
                 if t["state"] == "in_progress"]
         rule(not left, f"{after} left tasks in progress: {left}")
 
     async def only_security_holds_the_fleet_switch(self) -> None:
         """org_admin and controlling were told; the roles without the switch get 403."""
         if not self.dialect.notifications:
-            self.day.notes.append(f"{self.dialect.name} covey keeps no notifications: whether "
+            self.recorder.notes.append(f"{self.dialect.name} covey keeps no notifications: whether "
                                   f"org_admin and controlling were told of the fleet stop is "
                                   f"not checked")
         for role in ("org_admin", "controlling") if self.dialect.notifications else ():
-            notes = json_of(await self.day.people[role].notifications())
+            notes = json_of(await self.recorder.people[role].notifications())
             rule(any(n["kind"] == "fleet_killed" for n in notes),
                  f"{role} was not notified of the fleet stop")
         for role in ("agent_owner", "auditor", "controlling"):
-            who = self.day.as_(role)
+            who = self.as_(role)
             rule((await who.kill_fleet()).status_code == 403,
                  f"{role} may pull the fleet switch")
             rule((await who.resume_fleet()).status_code == 403, f"{role} may resume the fleet")
 
     async def held_by_the_fleet(self, agent: dict[str, Any], window_s: float = 1) -> None:
         """An agent resumed on its own while the fleet stop stands does not run."""
-        released = json_of(await self.day.as_("org_admin").resume_agent(agent))
+        released = json_of(await self.as_("org_admin").resume_agent(agent))
         if self.dialect.reports:
             rule(released["held_by_fleet"] is True and released["agents_woken"] == [],
                  "an agent resumed on its own ran while the fleet stop stood")
@@ -326,15 +329,15 @@ class Expect:
         agents with open work: in its answer, or through the tick the moment the flags
         cleared (a session new since the release). Returns the agents the answer woke."""
         ids = {a["id"] for a in agents}
-        with_work = {t["agent_id"] for t in (await self.day.read_tasks()).values()
+        with_work = {t["agent_id"] for t in (await self.recorder.read_tasks()).values()
                      if t["state"] == "open" and t["agent_id"] in ids}
-        before = {s["id"] for a in with_work for s in await self._sessions(a)}
+        before = {s["id"] for a in with_work for s in await self.recorder.sessions(a)}
         answer = json_of(await release())
         woken = set(answer["agents_woken"] if self.dialect.reports else ())
 
         async def started() -> set[str]:
             return {a for a in with_work - woken
-                    if {s["id"] for s in await self._sessions(a)} - before}
+                    if {s["id"] for s in await self.recorder.sessions(a)} - before}
         at_work = (woken & ids) | await started()
         if not self.dialect.reports and at_work < with_work:
             # The answer does not say whom it woke: "at once" is a sandbox started within
@@ -343,7 +346,7 @@ class Expect:
                 await eventually(lambda: _all_or_none(started, with_work), RELEASE_WAKE_S,
                                  "not at once")
             at_work |= await started()
-            self.day.notes.append(f"{what} answered {answer}: the agents it woke were read "
+            self.recorder.notes.append(f"{what} answered {answer}: the agents it woke were read "
                                   f"from their sandboxes, within {RELEASE_WAKE_S:g} s")
         rule(at_work >= with_work, f"{what} did not wake at once every agent with open "
              f"work: {sorted(with_work - at_work)}")
@@ -355,18 +358,18 @@ class Expect:
         """The incident is over: the agents behave, the fleet resumes, and every task of the
         game day ends done. Returns the tasks."""
         for a in agents:
-            await self.day.endpoints.puppet.assign(a["id"], "well_behaved")
+            await self.endpoints.puppet.assign(a["id"], "well_behaved")
         r = await security.resume_fleet()
         rule(r.status_code == 200, f"the fleet resume was refused: {r.status_code} {r.text}")
-        return await self.day.until.all_tasks_done()
+        return await self.until.all_tasks_done()
 
     async def kill_carried_out(self, agent: dict[str, Any], answer: dict[str, Any],
                                deadline_s: float = 30) -> set[str]:
         """A kill of one agent that answered `answer` did its work: the tasks read right
         after its ok (what it left open, for the requeue checkers), no sandbox of the agent
         starting or running any more, and every daemon of a session it stopped exited 3."""
-        await self.day.read_tasks()
-        await self.day.until.all_sandboxes_gone([agent], deadline_s)
+        await self.recorder.read_tasks()
+        await self.until.all_sandboxes_gone([agent], deadline_s)
         return await self.daemons_obeyed([agent], set(answer["sessions_cancelled"]))
 
     async def lost_database_failed_closed(self, agents: list[dict[str, Any]],
@@ -377,15 +380,15 @@ class Expect:
         them is left on the machine within the lease + `margin_s`, and the puppet's ledger
         shows no model call after that. How long they took is measured as `figure` (s);
         returns it."""
-        bound_s = self.day.lease_s + margin_s
+        bound_s = self.recorder.lease_s + margin_s
         refs: list[AgentRef] = list(agents)
-        await self.day.until.nothing_left_of(
+        await self.until.nothing_left_of(
             refs, bound_s, f"a daemon {held_by} held ran on with {held_by} cut off from "
             f"{lost} (or its sandbox was left behind): its lease did not fail closed")
         gone_s = (time.time_ns() - cut.started_ns) / 1e9
-        self.day.measurements[figure] = gone_s
-        self.day.notes.append(f"{held_by}'s daemons were gone {gone_s:.2f} s after "
-                              f"{held_by} lost {lost} (lease {self.day.lease_s} s)")
+        self.recorder.measurements[figure] = gone_s
+        self.recorder.notes.append(f"{held_by}'s daemons were gone {gone_s:.2f} s after "
+                              f"{held_by} lost {lost} (lease {self.recorder.lease_s} s)")
         await self.no_model_call_between(
             agents, cut.started_ns + round(bound_s * 1e9), None,
             f"daemons of {held_by} called their model more than the lease + {margin_s} s "
@@ -397,7 +400,8 @@ class Expect:
         """Security was alerted of each agent's guard trip (`agent_tripped`), in an alert
         that names the agent and holds every one of `words`; `what` says what they stand
         for."""
-        alerts = [n["title"] for n in json_of(await self.day.people["security"].notifications())
+        security = self.recorder.people["security"]
+        alerts = [n["title"] for n in json_of(await security.notifications())
                   if n["kind"] == "agent_tripped"]
         for a in agents:
             alert = next((t for t in alerts if a["slug"] in t), None)

@@ -1,10 +1,10 @@
 """The game day's people at work, and the waits every scenario shares.
 
 `day.as_("security").kill_fleet()` is the one way a scenario acts: every call goes through
-`GameDay.operate`, so it lands in the history as an invoke and its outcome (ok for a 2xx,
-fail for a refusal, info when nobody knows), where the checkers find it. `day.until` holds
-the waits, each polling with a deadline and failing with what never happened, or at once
-when it can no longer happen.
+its recorder's `operate` (harness/record/recorder.py), so it lands in the history as an invoke
+and its outcome (ok for a 2xx, fail for a refusal, info when nobody knows), where the
+checkers find it. `day.until` holds the waits, each polling with a deadline and failing with
+what never happened, or at once when it can no longer happen.
 """
 
 from __future__ import annotations
@@ -21,10 +21,13 @@ from harness.judge.switch_checkers import KILL_FLAG_ACK_F
 from harness.stack.waiting import eventually
 
 if TYPE_CHECKING:
+    from faker import Faker
+
     from harness.act.client import CoveyClient
     from harness.act.puppet import LedgerEntry
     from harness.nemesis import FaultRecord
-    from harness.record.gameday import GameDay
+    from harness.record.recorder import Recorder
+    from harness.stack.base import Endpoints
 
 AgentRef = dict[str, Any] | str
 # The read of every task before a kill must not hold the switch back when the control plane
@@ -40,15 +43,17 @@ def _id(agent: AgentRef) -> str:
 
 
 class Operator:
-    """One human of the game day; each call recorded as an operation named after it."""
+    """One human of the game day, acting through `client`; each call recorded as an
+    operation named after it in `recorder`'s history, which also reads every task right
+    before a kill. `fake` makes up what the call leaves out (a task's title)."""
 
-    def __init__(self, day: GameDay, role: str, client: CoveyClient | None = None) -> None:
-        self.day, self.role = day, role
-        self.client = day.people[role] if client is None else client
+    def __init__(self, role: str, client: CoveyClient, recorder: Recorder, fake: Faker
+                 ) -> None:
+        self.role, self.client, self.recorder, self.fake = role, client, recorder, fake
 
     async def kill_agent(self, agent: AgentRef) -> httpx.Response:
         a = _id(agent)
-        return await self._around_a_kill(self.day.operate(
+        return await self._around_a_kill(self.recorder.operate(
             self.role, "kill_agent", {"agent_id": a}, lambda: self.client.kill_agent(a)))
 
     async def _around_a_kill(self, kill: Awaitable[httpx.Response]) -> httpx.Response:
@@ -65,77 +70,80 @@ class Operator:
     async def _read_tasks(self, within_s: float) -> None:
         try:
             async with asyncio.timeout(within_s):
-                await self.day.read_tasks()
+                await self.recorder.read_tasks()
         except (TimeoutError, httpx.HTTPError, ApiFailure):
             pass
 
     async def resume_agent(self, agent: AgentRef) -> httpx.Response:
         a = _id(agent)
-        return await self.day.operate(self.role, "resume_agent", {"agent_id": a},
+        return await self.recorder.operate(self.role, "resume_agent", {"agent_id": a},
                                       lambda: self.client.resume_agent(a))
 
     async def kill_fleet(self, read_first: bool = True) -> httpx.Response:
         """`read_first=False`: the scenario has read the tasks itself, right before (a plane
         it froze to hold the kill would hold that read, for up to READ_BEFORE_KILL_S)."""
-        kill = self.day.operate(self.role, "kill_fleet", {}, self.client.kill_fleet)
+        kill = self.recorder.operate(self.role, "kill_fleet", {}, self.client.kill_fleet)
         return await (self._around_a_kill(kill) if read_first else kill)
 
     async def resume_fleet(self) -> httpx.Response:
-        return await self.day.operate(self.role, "resume_fleet", {}, self.client.resume_fleet)
+        return await self.recorder.operate(self.role, "resume_fleet", {}, self.client.resume_fleet)
 
     async def stop_globally(self, reason: str = "game day: global stop") -> httpx.Response:
         """The platform admin's global kill flag: every agent of every organisation."""
-        return await self._around_a_kill(self.day.operate(
+        return await self._around_a_kill(self.recorder.operate(
             self.role, "stop_globally", {}, lambda: self.client.stop_globally(reason)))
 
     async def clear_global_stop(self, reason: str = "game day: over") -> httpx.Response:
-        return await self.day.operate(self.role, "clear_global_stop", {},
+        return await self.recorder.operate(self.role, "clear_global_stop", {},
                                       lambda: self.client.clear_global_stop(reason))
 
     async def stop_tool(self, agent: AgentRef, tool: str,
                         reason: str = "game day: tool stopped") -> httpx.Response:
         a = _id(agent)
-        return await self.day.operate(self.role, "stop_tool", {"agent_id": a, "tool": tool},
+        return await self.recorder.operate(self.role, "stop_tool", {"agent_id": a, "tool": tool},
                                       lambda: self.client.stop_tool(tool, a, reason))
 
     async def wake(self, agent: AgentRef) -> httpx.Response:
         a = _id(agent)
-        return await self.day.operate(self.role, "wake", {"agent_id": a},
+        return await self.recorder.operate(self.role, "wake", {"agent_id": a},
                                       lambda: self.client.wake(a))
 
     async def fire_heartbeat(self, agent: AgentRef, name: str) -> httpx.Response:
         a = _id(agent)
-        return await self.day.operate(self.role, "fire_heartbeat",
+        return await self.recorder.operate(self.role, "fire_heartbeat",
                                       {"agent_id": a, "heartbeat": name},
                                       lambda: self.client.fire_heartbeat(a, name))
 
     async def trigger(self, agent: dict[str, Any], title: str = "triggered") -> httpx.Response:
         token = str(agent["trigger_token"])
-        return await self.day.operate(self.role, "trigger", {"agent_id": _id(agent)},
+        return await self.recorder.operate(self.role, "trigger", {"agent_id": _id(agent)},
                                       lambda: self.client.trigger(token, title))
 
     async def create_task(self, agent: AgentRef, title: str | None = None,
                           body: str = "") -> httpx.Response:
-        a, t = _id(agent), title or self.day.fake.sentence(nb_words=5)
-        return await self.day.operate(self.role, "create_task", {"agent_id": a, "title": t},
+        a, t = _id(agent), title or self.fake.sentence(nb_words=5)
+        return await self.recorder.operate(self.role, "create_task", {"agent_id": a, "title": t},
                                       lambda: self.client.create_task(a, t, body))
 
     async def change_task(self, agent: AgentRef, task_id: str, **changes: Any
                           ) -> httpx.Response:
         a = _id(agent)
-        return await self.day.operate(self.role, "change_task",
+        return await self.recorder.operate(self.role, "change_task",
                                       {"agent_id": a, "task_id": task_id, **changes},
                                       lambda: self.client.change_task(a, task_id, **changes))
 
 
 class Until:
-    """The waits a game day shares. Each returns what it waited for."""
+    """The waits a game day shares. Each returns what it waited for. They read through
+    `recorder` (what they see lands in its history), the stack's puppet, nemesis and URL
+    through `endpoints`, and another replica through `client_at(role, url)`."""
 
-    def __init__(self, day: GameDay) -> None:
-        self.day = day
+    def __init__(self, recorder: Recorder, endpoints: Endpoints,
+                 client_at: Callable[[str, str], CoveyClient]) -> None:
+        self.recorder, self.endpoints, self.client_at = recorder, endpoints, client_at
 
     def _agents(self, agents: list[AgentRef] | None) -> list[str]:
-        return [_id(a) for a in agents] if agents is not None else list(self.day.agents)
+        return [_id(a) for a in agents] if agents is not None else list(self.recorder.agents)
 
     async def all_sandboxes_gone(self, agents: list[AgentRef] | None = None,
                                  deadline_s: float = 60) -> None:
@@ -145,7 +153,7 @@ class Until:
 
         async def gone() -> bool:
             for agent_id in ids:
-                if any(s["state"] in LIVE_SANDBOX for s in await self.day.sandboxes(agent_id)):
+                if any(s["state"] in LIVE_SANDBOX for s in await self.recorder.sandboxes(agent_id)):
                     return False
             return True
         await eventually(gone, deadline_s, f"a sandbox of {len(ids)} stopped agents kept "
@@ -162,7 +170,7 @@ class Until:
 
         async def nothing_left() -> bool:
             for agent_id in ids:
-                left[agent_id] = await self.day.remains(agent_id, record=False)
+                left[agent_id] = await self.recorder.remains(agent_id, record=False)
             return not any(left.values())
         try:
             await eventually(nothing_left, deadline_s, "nothing of the killed agents' "
@@ -175,7 +183,7 @@ class Until:
             ) from None
         finally:
             for agent_id in ids:
-                await self.day.remains(agent_id)
+                await self.recorder.remains(agent_id)
 
     async def sessions_over(self, agents: list[AgentRef], session_ids: set[str],
                             deadline_s: float, broken: str) -> None:
@@ -188,7 +196,7 @@ class Until:
             live.clear()
             for agent_id in ids:
                 live.extend(s["id"] for s in json_of(
-                    await self.day.reader(agent_id).sessions(agent_id))
+                    await self.recorder.reader(agent_id).sessions(agent_id))
                     if s["id"] in session_ids and s["state"] in ("starting", "running"))
             return not live
         try:
@@ -202,24 +210,24 @@ class Until:
         ids = set(self._agents(agents))
 
         async def working() -> dict[str, dict[str, Any]] | None:
-            tasks = await self.day.read_tasks()
+            tasks = await self.recorder.read_tasks()
             busy = {t["agent_id"] for t in tasks.values() if t["state"] == "in_progress"}
             return tasks if ids <= busy else None
         # Only these agents' work: one killed beside them (on purpose) does not make their
         # getting to work impossible.
         found: dict[str, dict[str, Any]] = await eventually(
             working, deadline_s, "the agents never all got to work on their tasks",
-            impossible=lambda: self.day.why_work_cannot_finish(sorted(ids)))
+            impossible=lambda: self.recorder.why_work_cannot_finish(sorted(ids)))
         return found
 
     async def all_tasks_done(self, deadline_s: float = 120) -> dict[str, dict[str, Any]]:
         """Every task of the game day is done."""
         async def done() -> dict[str, dict[str, Any]] | None:
-            tasks = await self.day.read_tasks()
+            tasks = await self.recorder.read_tasks()
             return tasks if all(t["state"] == "done" for t in tasks.values()) else None
         found: dict[str, dict[str, Any]] = await eventually(
             done, deadline_s, "work given to the agents was left undone",
-            impossible=self.day.why_work_cannot_finish)
+            impossible=self.recorder.why_work_cannot_finish)
         return found
 
     async def condition(self, check: Callable[[], Awaitable[Any]], deadline_s: float,
@@ -233,20 +241,20 @@ class Until:
         record, with when it healed. A proxy in a container heals on its own deadline
         there: its log is read each time."""
         async def healed() -> FaultRecord | None:
-            await self.day.endpoints.nemesis.refresh()
-            return next((r for r in self.day.endpoints.nemesis.faults()
+            await self.endpoints.nemesis.refresh()
+            return next((r for r in self.endpoints.nemesis.faults()
                          if r.id == fault.id and r.healed), None)
         record: FaultRecord = await eventually(healed, deadline_s, f"{what} never healed")
         return record
 
     async def healthy(self, deadline_s: float, message: str) -> None:
         """The control plane answers its /healthz with 200 (it reached its database)."""
-        await self.healthy_at(self.day.endpoints.url, deadline_s, message)
+        await self.healthy_at(self.endpoints.url, deadline_s, message)
 
     async def all_tasks_done_of(self, agents: list[AgentRef]) -> bool:
         """One look (not a wait): is every task of these agents done?"""
         ids = set(self._agents(agents))
-        tasks = await self.day.read_tasks()
+        tasks = await self.recorder.read_tasks()
         return all(t["state"] == "done" for t in tasks.values() if t["agent_id"] in ids)
 
     async def tool_flag_acknowledged(self, agent: AgentRef, tool: str,
@@ -256,7 +264,7 @@ class Until:
         acknowledgement lands in the history for `stopped_tool_not_run`. Returns its time
         (ns, the control plane's clock)."""
         agent_id, scope = _id(agent), f"tool:{tool}"
-        reader = self.day.reader(agent_id)
+        reader = self.recorder.reader(agent_id)
         seen = 0  # the recording is read on from the last event looked at
 
         async def acknowledged() -> int | None:
@@ -268,7 +276,7 @@ class Until:
                     if (e["kind"], e["status"]) == ("kill_flag", "acknowledged") \
                             and scope in e["detail"].get("stopped", []):
                         at_ns = int(datetime.fromisoformat(e["at"]).timestamp() * 1e9)
-                        self.day.observe(KILL_FLAG_ACK_F, {
+                        self.recorder.observe(KILL_FLAG_ACK_F, {
                             "agent_id": agent_id, "stopped": e["detail"]["stopped"]},
                             time_ns=at_ns)
                         return at_ns
@@ -285,7 +293,7 @@ class Until:
         """A session of the agent ended stopped by its guard's `layer` (budget, loop,
         circuit_breaker, ...); returns that session. Fails at once when it ended otherwise."""
         agent_id = _id(agent)
-        auditor = self.day.people["auditor"]
+        auditor = self.recorder.people["auditor"]
 
         async def stopped() -> dict[str, Any] | None:
             for s in json_of(await auditor.sessions(agent_id)):
@@ -311,7 +319,7 @@ class Until:
         own holds a task in progress, and work is seen moving (a task done) when a
         well-behaved one is among them. Returns the steady state, for the journal."""
         async def steady() -> dict[str, Any] | None:
-            tasks = await self.day.read_tasks()
+            tasks = await self.recorder.read_tasks()
             held = {t["agent_id"] for t in tasks.values() if t["state"] == "in_progress"}
             done = sum(t["state"] == "done" for t in tasks.values())
             if all(a["id"] in held for a in agents if a["behaviour"] != "well_behaved") and (
@@ -321,7 +329,7 @@ class Until:
             return None
         found: dict[str, Any] = await eventually(
             steady, deadline_s, "no steady state: agents not working",
-            impossible=self.day.why_work_cannot_finish)
+            impossible=self.recorder.why_work_cannot_finish)
         return found
 
     async def tool_calls(self, agent: AgentRef, tool: str, containing: str, at_least: int,
@@ -332,7 +340,7 @@ class Until:
         agent_id = _id(agent)
 
         async def called() -> list[LedgerEntry] | None:
-            calls = [e for e in await self.day.endpoints.puppet.actions(agent_id)
+            calls = [e for e in await self.endpoints.puppet.actions(agent_id)
                      if e.tool == tool and containing in e.args.get("cmd", "")]
             return calls if len(calls) >= at_least else None
         found: list[LedgerEntry] = await eventually(called, deadline_s, message)
@@ -343,7 +351,7 @@ class Until:
                             deadline_s: float, message: str) -> None:
         """Every one of these agents has a running session, each held as `holds` says (a
         replica's `Replica.holds`), read from the control plane at `at` (a replica's URL)."""
-        auditor = self.day.as_("auditor", at=at).client
+        auditor = self.client_at("auditor", at)
         ids = self._agents(agents)
 
         async def held() -> bool:
@@ -358,6 +366,6 @@ class Until:
     async def healthy_at(self, url: str, deadline_s: float, message: str) -> None:
         """The control plane at `url` (another replica) answers its /healthz with 200."""
         async def answers() -> bool:
-            return (await self.day.people["auditor"].http.get(f"{url}/healthz")
+            return (await self.recorder.people["auditor"].http.get(f"{url}/healthz")
                     ).status_code == 200
         await eventually(answers, deadline_s, message)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -24,6 +23,7 @@ import docker.errors
 import httpx
 
 from harness.act.client import ApiFailure
+from harness.stack.waiting import eventually
 
 if TYPE_CHECKING:
     from harness.record.gameday import GameDay
@@ -183,16 +183,17 @@ FLAG_WAIT_S = 10.0
 async def _fleet_flag_committed(day: GameDay, within_s: float) -> bool:
     """Whether the org's fleet flag is seen committed within `within_s` (an outage's 503 or a
     refused connection is just not yet)."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
+    async def committed() -> bool:
         try:
             r = await day.people["auditor"].fleet()
-            if r.status_code == 200 and r.json().get("fleet_killed"):
-                return True
         except httpx.TransportError:
-            pass
-        await asyncio.sleep(0.02)
-    return False
+            return False
+        return r.status_code == 200 and bool(r.json().get("fleet_killed"))
+    try:
+        return await eventually(committed, within_s, "the fleet flag was not seen committed",
+                                interval=0.02)
+    except AssertionError:
+        return False
 
 
 async def crash_control_plane_mid_fleet_kill(day: GameDay, params: dict[str, Any]

@@ -29,6 +29,7 @@ from harness.judge.checkers import Verdict
 from harness.record.gameday import GameDay
 from harness.run.rollback import roll_back
 from harness.run.steady import prepare
+from harness.stack.waiting import eventually, retried
 
 GENERATOR = "generator"
 HEARTBEAT = "hourly"
@@ -38,6 +39,7 @@ FINISHED = ("done", "failed")
 # After the incident: how long the control plane may take to answer again once every fault
 # is healed (a restart, its database reconnected) on a loaded 2-core machine.
 PLANE_BACK_S = 90.0
+RESUME_TRIES = 3  # a resume after the incident that meets an outage, tried again
 T = TypeVar("T")
 
 
@@ -221,33 +223,36 @@ async def settle(day: GameDay, agents: list[dict[str, Any]], deadline_s: float) 
     for agent in agents:
         await day.endpoints.puppet.assign(agent["id"], "well_behaved")
     security = day.as_("security")
-    for attempt in range(3):  # a resume refused by a passing fault is tried again
-        try:
-            _unless_outage(await security.resume_fleet())
-            for agent in agents:
-                if json_of(await day.people["auditor"].agent(agent["id"]))["killed"]:
-                    _unless_outage(await security.resume_agent(agent))
-            break
-        except (ApiFailure, httpx.HTTPError) as exc:
-            if isinstance(exc, ApiFailure) and outage(exc) is None:
-                raise
-            await asyncio.sleep(1 + attempt)
-    else:
-        return ("the fleet and its agents could not be resumed after the incident: three "
-                "tries met an outage")
-    deadline = time.monotonic() + deadline_s
+
+    async def resume() -> None:
+        _unless_outage(await security.resume_fleet())
+        for agent in agents:
+            if json_of(await day.people["auditor"].agent(agent["id"]))["killed"]:
+                _unless_outage(await security.resume_agent(agent))
+    try:  # a resume refused by a passing fault is tried again
+        await retried(resume, RESUME_TRIES, wait_s=lambda attempt, _: float(attempt),
+                      on=lambda e: isinstance(e, httpx.HTTPError) or (
+                          isinstance(e, ApiFailure) and outage(e) is not None))
+    except (ApiFailure, httpx.HTTPError) as exc:
+        if isinstance(exc, ApiFailure) and outage(exc) is None:
+            raise
+        return (f"the fleet and its agents could not be resumed after the incident: "
+                f"{RESUME_TRIES} tries met an outage")
     left: list[str] = []
-    while time.monotonic() < deadline:
+
+    async def finished() -> bool:
+        nonlocal left
         tasks = await ride_out(day, "tasks", day.read_tasks)
-        if tasks is None:
-            await asyncio.sleep(0.5)
-            continue
+        if tasks is None:  # an outage read: not yet
+            return False
         left = [f"{t['id']} ({t['state']})" for t in tasks.values() if t["state"] not in FINISHED]
-        if not left:
-            return None
-        await asyncio.sleep(0.5)
-    return (f"{len(left)} tasks were not finished {deadline_s:.0f} s after the incident "
-            f"ended: {', '.join(left[:5])}")
+        return not left
+    try:
+        await eventually(finished, deadline_s, "tasks unfinished", interval=0.5)
+    except AssertionError:
+        return (f"{len(left)} tasks were not finished {deadline_s:.0f} s after the incident "
+                f"ended: {', '.join(left[:5])}")
+    return None
 
 
 async def play(day: GameDay, schedule: Schedule, *, settle_s: float = 90) -> Played:

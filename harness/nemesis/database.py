@@ -12,6 +12,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from harness.nemesis.faults import FaultKind, HealFailed
 from harness.nemesis.processes import ProcessPause
 from harness.nemesis.standing import Fault
@@ -31,14 +33,10 @@ class EmbeddedPostgres:
         """The postmaster and its children (backends, checkpointer, walwriter...)."""
         pid_file = self.pgdata / "postmaster.pid"
         postmaster = int(pid_file.read_text().split()[0])
-        children = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rpartition(")")[2].split()
-            except OSError:
-                continue
-            if int(fields[1]) == postmaster:
-                children.append(int(stat.parent.name))
+        try:
+            children = [c.pid for c in psutil.Process(postmaster).children()]
+        except psutil.NoSuchProcess:  # the server is not running: nothing below it
+            children = []
         return [postmaster, *children]
 
     def stop(self) -> None:

@@ -3,37 +3,46 @@ database server and its backends), and SIGKILL."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import time
-from pathlib import Path
+
+import psutil
 
 from harness.nemesis.faults import FaultKind
 from harness.nemesis.standing import Fault
 from harness.nemesis.watchdog import HealOrder
+from harness.stack.waiting import eventually
 
 STOP_WAIT_S = 5.0
 
 
+# psutil's process statuses as the one letter ps and /proc show (T: stopped).
+STATE_LETTERS = {
+    psutil.STATUS_RUNNING: "R", psutil.STATUS_SLEEPING: "S", psutil.STATUS_DISK_SLEEP: "D",
+    psutil.STATUS_STOPPED: "T", psutil.STATUS_TRACING_STOP: "t", psutil.STATUS_ZOMBIE: "Z",
+    psutil.STATUS_DEAD: "X", psutil.STATUS_IDLE: "I"}
+
+
 def process_state(pid: int) -> str | None:
-    """The one-letter state in /proc (T: stopped); None without /proc or without the process.
-    A read of procfs never waits on a disk, so this is fine on the event loop."""
+    """The process's state as one letter (T: stopped); None without the process, or where
+    psutil cannot tell. A read of procfs never waits on a disk, so this is fine on the event
+    loop."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
+        status = psutil.Process(pid).status()
+    except (psutil.Error, OSError):
         return None
+    return STATE_LETTERS.get(status, status[:1].upper())
 
 
 async def _stopped(pid: int, within_s: float) -> bool:
     """Whether `pid` is seen stopped within `within_s`: a signal takes effect only when the
-    process is next scheduled. Where /proc cannot tell, there is nothing to wait for."""
-    deadline = time.monotonic() + within_s
-    while process_state(pid) not in (None, "T", "t"):
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.002)
-    return True
+    process is next scheduled. Where psutil cannot tell, there is nothing to wait for."""
+    async def stopped() -> bool:
+        return process_state(pid) in (None, "T", "t")
+    try:
+        return await eventually(stopped, within_s, f"pid {pid} stopped", interval=0.002)
+    except AssertionError:
+        return False
 
 
 class ProcessPause(Fault):

@@ -51,7 +51,7 @@ from harness.nemesis.faults import (
 )
 from harness.nemesis.standing import Fault, StandingFaults
 from harness.nemesis.watchdog import HealOrder, alive
-from harness.stack.waiting import eventually
+from harness.stack.waiting import eventually, retried
 
 CHUNK = 65536
 IN_FLIGHT_CHUNKS = 64  # per direction and connection; beyond that the proxy stops reading
@@ -349,16 +349,12 @@ class FaultProxy(_ProxyFaults):
     async def _listen_again(self) -> None:
         # The port is free while the proxy is down, and another socket may take it meanwhile
         # (an outgoing connection's ephemeral port): retry a little, then say so.
-        note = ""
-        for attempt in range(REBIND_ATTEMPTS):
-            try:
-                await self._listen()
-                return
-            except OSError as e:
-                note = (f"could not listen on {self.host}:{self.port} again "
-                        f"({attempt + 1} attempts): {e}")
-                await asyncio.sleep(0.1)
-        raise HealFailed(note)
+        try:
+            await retried(self._listen, REBIND_ATTEMPTS, wait_s=0.1,
+                          on=lambda e: isinstance(e, OSError))
+        except OSError as e:
+            raise HealFailed(f"could not listen on {self.host}:{self.port} again "
+                             f"({REBIND_ATTEMPTS} attempts): {e}") from e
 
 
 # ---------------------------------------------------------------- the control API

@@ -6,15 +6,13 @@ The scenario does; this records. Judging is the checkers' job, after the fact.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import platform
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 from faker import Faker
@@ -32,7 +30,6 @@ from harness.judge.checkers import (
     HOME_FILES_F,
     HOME_SYNC_F,
     KILL_DELIVERY_F,
-    SANDBOX_REMAINS_F,
     SESSION_END_F,
     Checker,
     FinalAgent,
@@ -47,20 +44,18 @@ from harness.judge.switch_checkers import LEASE_F, SANDBOX_F, WAKE_REFUSALS_F
 from harness.judge.time_to_stop import TimeToStop, summarize, time_to_stop
 from harness.judge.verdicts import NOT_JUDGEABLE, broken_rules
 from harness.record.history import History
-from harness.record.remains import DaemonExit, daemon_exits, remains_of
+from harness.record.recorder import OBSERVER as OBSERVER
+from harness.record.recorder import Recorder
+from harness.record.recorder import phases as phases
+from harness.record.remains import DaemonExit
 from harness.run.rollback import roll_back_loudly
 from harness.run.steady import prepare
 from harness.stack.base import Endpoints
 from harness.stack.isolation import Organisation, agent_slug, run_id
 
-# The game day's phases as they happen, for whoever listens (`gameday run` shows them).
-phases = logging.getLogger("harness.record.gameday")
 ROLES = ("agent_owner", "security", "auditor", "controlling")
 GAME_DAY_MAX_TURNS = 10_000
 GAME_DAY_GUARD = {"max_tokens": 10_000_000, "max_tool_calls": 100_000, "max_wall_s": 3600.0}
-OBSERVER = "observer"
-# The operations that are switches (kill, resume, a global or tool stop and their release).
-SWITCH_PREFIXES = ("kill_", "resume_", "stop_", "clear_")
 
 
 def _ns(timestamp: str | None) -> int | None:
@@ -234,8 +229,7 @@ class GameDay:
     def reader(self, agent_id: str) -> CoveyClient:
         """Who reads this agent: its organisation's admin when it is one beside the game
         day's, else the game day's auditor (who may not see another organisation's)."""
-        org = self.agents.get(agent_id, {}).get("org_id")
-        return self.admins_beside.get(str(org), self.people["auditor"])
+        return self.recorder.reader(agent_id)
 
     async def agent(self, behaviour: Behaviour, warm: bool = False,
                     guard: dict[str, Any] | None = None, budget_usd: float | None = None,
@@ -280,15 +274,20 @@ class GameDay:
             if role != "org_admin":
                 raise KeyError(f"an organisation beside the game day's has only its org_admin, "
                                f"no {role}")
-            return Operator(self, f"org_admin@{org}", self.admins_beside[org])
+            return Operator(f"org_admin@{org}", self.admins_beside[org], self.recorder,
+                            self.fake)
         if role not in self.people:
             raise KeyError(f"no {role} in this game day; people: {', '.join(self.people)}")
-        if at is None:
-            return Operator(self, role)
-        client = self._people_at.get((role, at))
+        client = self.people[role] if at is None else self.client_at(role, at)
+        return Operator(role, client, self.recorder, self.fake)
+
+    def client_at(self, role: str, url: str) -> CoveyClient:
+        """The game day's human of `role` talking to the control plane at `url` (another
+        replica), made on first use and closed with the game day."""
+        client = self._people_at.get((role, url))
         if client is None:
-            client = self._people_at[(role, at)] = CoveyClient(at, self.people[role].token)
-        return Operator(self, role, client)
+            client = self._people_at[(role, url)] = CoveyClient(url, self.people[role].token)
+        return client
 
     @property
     def lacks(self) -> Mapping[str, str]:
@@ -313,64 +312,35 @@ class GameDay:
     @property
     def until(self) -> Until:
         """The shared waits: each polls with a deadline and says what never happened."""
-        return Until(self)
+        return Until(self.recorder, self.endpoints, self.client_at)
 
     @property
     def expect(self) -> Expect:
         """The rules a stop must keep, checked while the game day goes on."""
-        return Expect(self)
+        return Expect(self.recorder, self.until, self.as_, self.endpoints, self.organisation)
 
     @property
     def lease_s(self) -> float:
         """The kill-flag lease the stack's daemons hold, from the stack itself."""
-        if self.endpoints.lease_ms is None:
-            raise LookupError(f"the {self.stack} stack does not say what lease its daemons "
-                              f"hold")
-        return self.endpoints.lease_ms / 1000
+        return self.recorder.lease_s
 
-    # ------------------------------------------------------------------ operations
+    # ------------------------------------------------------------------ the recorder
+
+    @property
+    def recorder(self) -> Recorder:
+        """What the game day's people write to and read through (harness/record/recorder.py):
+        this game day's own history, agents, people, notes and measurements."""
+        e = self.endpoints
+        return Recorder(history=self.history, agents=self.agents, people=self.people,
+                        admins_beside=self.admins_beside, dialect_name=self.dialect_name,
+                        stack=self.stack, data_dir=getattr(e, "data_dir", None),
+                        lease_ms=getattr(e, "lease_ms", None), notes=self.notes,
+                        measurements=self.measurements)
 
     async def operate(self, role: str, f: str, value: dict[str, Any],
                       call: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response:
-        """Invoke an operation as `role`, recording invoke and outcome as Jepsen does: ok for
-        a 2xx; fail for a refusal (a 403 switch was not pulled) and for a request that never
-        reached the control plane (nothing listened: it cannot have taken effect); info when
-        nobody knows (the request failed on its way, or the control plane answered 503
-        because its database was away: a kill may then be recorded in part). The scenario
-        asserts what it expected."""
-        invoke = self.history.invoke(f"operator:{role}", f, value)
-        try:
-            r = await call()
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            self.history.complete(invoke, "fail", {"error": repr(exc), "unreached": True})
-            raise
-        except httpx.HTTPError as exc:
-            self.history.complete(invoke, "info", {"error": repr(exc)})
-            raise
-        outcome: Literal["ok", "fail", "info"] = (
-            "ok" if r.is_success else "info" if r.status_code == 503 else "fail")
-        # The live output shows the switches and every refusal; a routine success (a task
-        # created, a wake that started a session) is only in the history: 14 lines of
-        # `create_task answered 201` once hid the kill among them.
-        if r.is_success and not f.startswith(SWITCH_PREFIXES):
-            phases.debug("%s: %s answered %s", role, f, r.status_code)
-        elif r.is_success:
-            phases.info("%s pulled %s: answered %s", role, f, r.status_code)
-        else:
-            phases.info("%s: %s refused with %s", role, f, r.status_code)
-        body = r.json() if r.headers.get("content-type", "").startswith("application/json") \
-            else {}
-        result: dict[str, Any] = {"status": r.status_code, "body": body}
-        if f == "wake" and isinstance(body, dict) and "outcome" in body:
-            result["outcome"] = body["outcome"]  # a busy agent's wake started nothing
-        elif f == "wake" and not dialect(self.dialect_name).reports:
-            # Upstream's wake answers {"ok":true} whether or not it started anything: what
-            # started is read from its sandboxes (session_start), not from this answer.
-            result["outcome"] = "unreported"
-        self.history.complete(invoke, outcome, result)
-        return r
-
-    # ------------------------------------------------------------------ observations
+        """Invoke an operation as `role`, recorded in the history (Recorder.operate)."""
+        return await self.recorder.operate(role, f, value, call)
 
     def observe(self, f: str, value: dict[str, Any], time_ns: int | None = None) -> None:
         """Something the harness saw in the system under test, into the history."""
@@ -378,40 +348,12 @@ class GameDay:
 
     async def read_tasks(self) -> dict[str, dict[str, Any]]:
         """Every task of every agent, recorded as task_state observations."""
-        tasks: dict[str, dict[str, Any]] = {}
-        for agent_id in self.agents:
-            for t in json_of(await self.reader(agent_id).backlog(agent_id)):
-                tasks[t["id"]] = t
-                self.history.observe(OBSERVER, "task_state", {
-                    "task_id": t["id"], "state": t["state"], "agent_id": agent_id})
-        return tasks
+        return await self.recorder.read_tasks()
 
     async def why_work_cannot_finish(self, agents: list[str] | None = None) -> str | None:
         """Why this game day's unfinished tasks cannot all end done without a human, or None
-        while they still can: the fleet stop stands, an agent with unfinished work is
-        stopped, or a task ended where nothing requeues it (failed, cancelled, blocked).
-        Nothing in a game day resumes on its own: that is the scenario's operators' job.
-        `agents`: only these agents' work (default: every agent of the game day)."""
-        auditor = self.people["auditor"]
-        fleet = json_of(await auditor.fleet())
-        if fleet.get("global_stop"):
-            return ("a platform admin's global kill flag stops every organisation and nobody "
-                    "will clear it")
-        if fleet["fleet_killed"]:
-            return "the fleet stop stands and nobody will resume it"
-        for agent_id in self.agents if agents is None else agents:
-            tasks = json_of(await self.reader(agent_id).backlog(agent_id))
-            stuck = [t for t in tasks if t["state"] in ("failed", "cancelled", "blocked")]
-            if stuck:
-                return (f"task {stuck[0]['id']} of agent {agent_id} is {stuck[0]['state']} "
-                        f"and nothing requeues it")
-            unfinished = [t for t in tasks if t["state"] != "done"]
-            if unfinished:
-                agent = json_of(await self.reader(agent_id).agent(agent_id))
-                if agent["killed"]:
-                    return (f"agent {agent_id} is killed (by {agent['kill_origin']}) with "
-                            f"{len(unfinished)} unfinished tasks and nobody will resume it")
-        return None
+        while they still can (Recorder.why_work_cannot_finish)."""
+        return await self.recorder.why_work_cannot_finish(agents)
 
     # ------------------------------------------------------------------ homes
 
@@ -437,19 +379,11 @@ class GameDay:
         return files
 
     async def remains(self, agent_id: str, record: bool = True) -> list[str] | None:
-        """What of the agent's sandboxes still exists on this machine, looked at directly
-        (harness/record/remains.py), recorded as a `sandbox_remains` observation; None where the
-        stack's sandboxes are not on this machine."""
-        found = await asyncio.to_thread(remains_of, self.stack, agent_id,
-                                        self.dialect_name)
-        if record and found is not None:
-            self.history.observe(OBSERVER, SANDBOX_REMAINS_F,
-                                 {"agent_id": agent_id, "remains": found})
-        return found
+        """What of the agent's sandboxes still exists on this machine (Recorder.remains)."""
+        return await self.recorder.remains(agent_id, record)
 
     async def sandboxes(self, agent_id: str) -> list[dict[str, Any]]:
-        rows: list[dict[str, Any]] = json_of(await self.reader(agent_id).sandboxes(agent_id))
-        return rows
+        return await self.recorder.sandboxes(agent_id)
 
     async def live_sessions(self, agents: list[dict[str, Any]]) -> dict[str, str]:
         """The sessions of these agents that are starting or running now, each with its
@@ -462,10 +396,8 @@ class GameDay:
         return live
 
     async def daemon_exits(self, sandbox_ids: list[str]) -> dict[str, DaemonExit] | None:
-        """How these sandboxes' daemons ended, read on this machine (harness/record/remains.py)
-        rather than asked of the control plane; None where the stack's sandboxes are not here."""
-        return await asyncio.to_thread(daemon_exits, self.stack, sandbox_ids,
-                                       self.endpoints.data_dir)
+        """How these sandboxes' daemons ended, read on this machine (Recorder.daemon_exits)."""
+        return await self.recorder.daemon_exits(sandbox_ids)
 
     async def copy_ledger(self) -> None:
         """The puppet model's ledger into the history: each request an agent made is an

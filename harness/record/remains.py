@@ -2,7 +2,7 @@
 the ground truth for "a killed agent leaves nothing running", as the puppet's ledger is for
 what agents did. The control plane's rows say a sandbox is gone; this looks.
 
-* `processes` stack: every live process whose environment names the agent
+* `processes` stack: every live process (psutil) whose environment names the agent
   (`COVEY_AGENT_ID`, which each sandbox's daemon is given and whatever it starts inherits;
   the shell tool runs each command in a session of its own, so no process group finds them);
 * `containers` stack: every container, running or not, labelled `covey.agent=<id>`;
@@ -17,30 +17,25 @@ and, for a container, the engine's exit code.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 AGENT_MARKER = "COVEY_AGENT_ID"
 
 
 def _processes_of(agent_id: str) -> list[str]:
-    marker = f"{AGENT_MARKER}={agent_id}".encode()
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    # An environment or command line psutil may not read (another user's process, a
+    # zombie's, which holds nothing) comes as None; a process gone meanwhile is left out.
+    for process in psutil.process_iter(["environ", "cmdline"]):
+        if (process.info["environ"] or {}).get(AGENT_MARKER) != agent_id:
             continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if marker not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:  # gone meanwhile, or a zombie's (which holds nothing)
-            continue
-        found.append(f"process {entry} ({command[:80]})")
+        command = " ".join(process.info["cmdline"] or []).strip()
+        found.append(f"process {process.pid} ({command[:80]})")
     return found
 
 

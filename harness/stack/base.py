@@ -10,7 +10,6 @@ import json
 import os
 import socket
 import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import uvicorn
 
 from harness.act.puppet import Puppet, PuppetControl, RemotePuppet, create_app
 from harness.nemesis import FaultRecord, Nemesis, RemoteFaultProxy
+from harness.stack.waiting import eventually
 
 ADMIN_PASSWORD = "game-day-admin-password"
 
@@ -106,29 +106,37 @@ def free_port() -> int:
 
 async def wait_until_healthy(url: str, deadline_s: float, process: asyncio.subprocess.Process
                              | None = None, path: str = "/healthz") -> dict[str, Any]:
-    """Poll /healthz until it answers ok, the process dies, or the deadline passes."""
-    deadline = time.monotonic() + deadline_s
+    """Poll /healthz until it answers ok (its body), the process dies (RuntimeError), or the
+    deadline passes (TimeoutError, with the last answer)."""
     last = "no answer yet"
+
+    async def healthy(http: httpx.AsyncClient) -> tuple[dict[str, Any]] | None:
+        nonlocal last
+        if process is not None and process.returncode is not None:
+            raise RuntimeError(f"the process behind {url} exited with {process.returncode} "
+                               "during start-up; its log is in the report directory")
+        try:
+            r = await http.get(f"{url}{path}")
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+            return None
+        if r.status_code != 200:
+            last = f"{r.status_code} {r.text[:200]}"
+            return None
+        # Upstream covey answers a plain `ok`: healthy, and says nothing more.
+        try:
+            body = r.json()
+        except ValueError:
+            body = {}
+        return (body if isinstance(body, dict) else {},)  # a tuple: an empty body is healthy
+
     async with httpx.AsyncClient(timeout=2) as http:
-        while time.monotonic() < deadline:
-            if process is not None and process.returncode is not None:
-                raise RuntimeError(f"the process behind {url} exited with "
-                                   f"{process.returncode} during start-up; its log is in the "
-                                   "report directory")
-            try:
-                r = await http.get(f"{url}{path}")
-                if r.status_code == 200:
-                    # Upstream covey answers a plain `ok`: healthy, and says nothing more.
-                    try:
-                        body = r.json()
-                    except ValueError:
-                        return {}
-                    return body if isinstance(body, dict) else {}
-                last = f"{r.status_code} {r.text[:200]}"
-            except httpx.HTTPError as exc:
-                last = repr(exc)
-            await asyncio.sleep(0.1)
-    raise TimeoutError(f"{url}{path} not healthy after {deadline_s}s: {last}")
+        try:
+            (found,) = await eventually(lambda: healthy(http), deadline_s,
+                                        f"{url}{path} healthy", interval=0.1)
+        except AssertionError:
+            raise TimeoutError(f"{url}{path} not healthy after {deadline_s}s: {last}") from None
+    return found
 
 
 def lease_of(health: dict[str, Any]) -> int | None:
@@ -146,11 +154,15 @@ async def serve_puppet(puppet: Puppet, port: int | None = None) -> AsyncIterator
     server = uvicorn.Server(uvicorn.Config(create_app(puppet), host="127.0.0.1", port=port,
                                            log_level="warning"))
     serving = asyncio.create_task(server.serve())
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if serving.done() or time.monotonic() > deadline:
-            raise RuntimeError("the puppet model did not start")
-        await asyncio.sleep(0.02)
+
+    async def started() -> bool:
+        if serving.done():
+            raise RuntimeError("the puppet model did not start: its server ended")
+        return bool(server.started)
+    try:
+        await eventually(started, 20, "the puppet model started", interval=0.02)
+    except AssertionError:
+        raise RuntimeError("the puppet model did not start within 20 s") from None
     try:
         yield f"http://127.0.0.1:{port}/v1"
     finally:

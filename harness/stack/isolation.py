@@ -17,7 +17,7 @@ from harness.act.client import json_of
 from harness.act.dialect import COVEY_GAMEDAY, sign_in
 
 if TYPE_CHECKING:
-    from harness.record.gameday import GameDay
+    from harness.act.client import CoveyClient
 
 # Every agent a game day creates carries this prefix in its slug, so that a later game day
 # in the same organisation can tell agents of game days from the deployment's own.
@@ -94,18 +94,20 @@ async def organisation_for(url: str, admin_email: str, admin_password: str,
                         admin_email, admin_password, own=False)
 
 
-async def strangers_stopped(day: GameDay, mine: set[str], stopped: set[str]) -> str | None:
-    """What is wrong with the agents a fleet kill stopped besides the game day's own, or
-    None. In an organisation of its own there must be none. In a shared one the deployment's
-    own agents are stopped too (that is what the switch does), but an agent of another game
-    day still running means that game day's rollback failed."""
+async def strangers_stopped(organisation: Organisation | None, auditor: CoveyClient,
+                            mine: set[str], stopped: set[str]) -> str | None:
+    """What is wrong with the agents a fleet kill stopped besides the game day's own (those
+    in `organisation`, read by `auditor`), or None. In an organisation of its own there must
+    be none. In a shared one the deployment's own agents are stopped too (that is what the
+    switch does), but an agent of another game day still running means that game day's
+    rollback failed."""
     strangers = stopped - mine
     if not strangers:
         return None
-    if day.organisation is not None and day.organisation.own:
+    if organisation is not None and organisation.own:
         return (f"the fleet stop stopped {len(strangers)} agents that are not this game day's "
                 f"in its own organisation: {sorted(strangers)}")
-    agents = {a["id"]: a for a in json_of(await day.people["auditor"].agents())}
+    agents = {a["id"]: a for a in json_of(await auditor.agents())}
     leftovers = sorted(agents[a]["slug"] for a in strangers
                        if a in agents and is_game_day_agent(agents[a]["slug"]))
     if leftovers:

@@ -1,5 +1,10 @@
 """Waiting, the one way: poll with a deadline and fail with a message that says what never
-happened. Never a bare sleep (STYLE.md).
+happened. Never a bare sleep (STYLE.md). And retrying, the one way (`retried`, on
+tenacity): a call that failed in a way worth trying again, a bounded number of times.
+
+Polling is not retrying: `eventually` waits for a condition of the system to come true;
+`retried` repeats one call that failed (a read shed with 429, a request that met a passing
+outage, a port taken for a moment) and gives up with that call's last outcome.
 
 A wait for an outcome that can no longer come should not sit out its deadline: a game day
 once waited 120 s for tasks to finish while every agent stayed killed, and its message said
@@ -13,6 +18,14 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
+
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    retry_if_result,
+    stop_after_attempt,
+)
 
 T = TypeVar("T")
 
@@ -47,3 +60,39 @@ async def eventually(check: Callable[[], Awaitable[T | None]], deadline_s: float
                                      f"last seen: {last!r})")
         await asyncio.sleep(interval)
     raise AssertionError(f"{message} (after {deadline_s}s; last seen: {last!r})")
+
+
+def _never(_: object) -> bool:
+    return False
+
+
+async def retried(call: Callable[[], Awaitable[T]], tries: int, *,
+                  on: Callable[[BaseException], bool] = _never,
+                  again: Callable[[T], bool] = _never,
+                  wait_s: float | Callable[[int, T | None], float] = 0.0) -> T:
+    """`call()` up to `tries` times: again after an exception `on` says is worth retrying,
+    or a result `again` says is; between tries wait `wait_s` seconds (or
+    `wait_s(attempt, result)`: result None after an exception). Anything else ends it at
+    once. When the tries are used up, the last outcome stands: its exception is raised, or
+    its result returned."""
+    def wait(state: RetryCallState) -> float:
+        if not callable(wait_s):
+            return wait_s
+        outcome = state.outcome
+        result = outcome.result() if outcome is not None and not outcome.failed else None
+        return wait_s(state.attempt_number, result)
+
+    def last_outcome(state: RetryCallState) -> T:
+        if state.outcome is None:  # tenacity calls this only after a try
+            raise RuntimeError("no try was made")
+        result: T = state.outcome.result()  # raises the last exception
+        return result
+
+    retrying = AsyncRetrying(stop=stop_after_attempt(tries), wait=wait,
+                             retry=retry_if_exception(on) | retry_if_result(again),
+                             retry_error_callback=last_outcome)
+
+    async def attempt() -> T:  # a coroutine function: tenacity awaits only those
+        return await call()
+    found: T = await retrying(attempt)
+    return found

@@ -10,6 +10,11 @@ from harness.judge.checkers import FinalState
 from harness.record.history import Event, EventType, History
 
 MS = 1_000_000
+# The installed pytest plugins an inner pytest (pytester's subprocess) has no use for: each
+# costs seconds of start-up (hypothesis and schemathesis most), many times over on a loaded
+# 2-core machine, and the inner runs exercise only the harness's own plugin.
+UNUSED_PLUGINS = ("-p", "no:hypothesispytest", "-p", "no:schemathesis", "-p", "no:benchmark",
+                  "-p", "no:locust", "-p", "no:xdist")
 
 
 @dataclass

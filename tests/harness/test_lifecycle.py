@@ -9,6 +9,8 @@ import json
 
 import pytest
 
+from tests.harness.builders import UNUSED_PLUGINS
+
 pytest_plugins = ["pytester"]
 
 CONFTEST = """
@@ -94,7 +96,7 @@ def _run(pytester: pytest.Pytester, scenario: str) -> tuple[pytest.RunResult, li
     folder = pytester.mkdir("scenarios")
     (folder / "drill.py").write_text(HELPERS + scenario)
     result = pytester.runpytest_subprocess("scenarios", "-p", "no:cacheprovider",
-                                           "-o", "asyncio_mode=auto",
+                                           *UNUSED_PLUGINS, "-o", "asyncio_mode=auto",
                                            "--basetemp", str(pytester.path / "tmp"))
     journals = [json.loads(p.read_text()) for p in sorted(pytester.path.rglob("*.json"))
                 if p.parent.name == "reports"]

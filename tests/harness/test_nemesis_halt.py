@@ -192,6 +192,8 @@ async def _never() -> bool:
 """
 
 
+# A whole game day on a processes stack, in a pytest of its own: the full run's (scripts/test).
+@pytest.mark.slow
 async def test_a_halted_game_day_journal_says_aborted_and_why(
         sleeper: asyncio.subprocess.Process, tmp_path: Path) -> None:
     folder = tmp_path / "scenarios"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.harness.builders import UNUSED_PLUGINS
+
 pytest_plugins = ["pytester"]
 
 CONFTEST = """
@@ -55,7 +57,8 @@ def _run(pytester: pytest.Pytester, scenario: str, *args: str) -> pytest.RunResu
     (folder / "drill.py").write_text(HISTORY + scenario)
     # The folder, not the file: a file named on the command line is rewritten by pytest
     # itself; a game day found in its folder is the plugin's to collect.
-    return pytester.runpytest_subprocess("scenarios", "-p", "no:cacheprovider", *args)
+    return pytester.runpytest_subprocess("scenarios", "-p", "no:cacheprovider",
+                                         *UNUSED_PLUGINS, *args)
 
 
 # Each import mode names the module differently; the rewriting must follow every one.

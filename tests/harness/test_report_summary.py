@@ -11,6 +11,7 @@ import pytest
 
 from harness.report import runs
 from harness.report.specimen import specimen_game_day
+from tests.harness.builders import UNUSED_PLUGINS
 
 pytest_plugins = ["pytester"]
 
@@ -33,7 +34,8 @@ def test_a_game_day_shows_in_the_summary_and_in_junit(pytester: pytest.Pytester,
             record(request.node, [Path({str(path)!r})])
         """)
     xml = tmp_path / "junit.xml"
-    result = pytester.runpytest_subprocess(f"--junitxml={xml}", "-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess(f"--junitxml={xml}", "-p", "no:cacheprovider",
+                                           *UNUSED_PLUGINS)
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines([
         "*= covey game days =*",

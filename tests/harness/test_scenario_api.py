@@ -16,6 +16,7 @@ import pytest
 
 from harness.act.client import CoveyClient
 from harness.record.gameday import GameDay
+from tests.harness.builders import UNUSED_PLUGINS
 
 pytest_plugins = ["pytester"]
 Handler = Callable[[httpx.Request], httpx.Response]
@@ -123,7 +124,7 @@ def test_unknown(request):
     with pytest.raises(pytest.UsageError, match="names no checker no_such_rule"):
         chosen_checkers(request.node, frozenset())
 """)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *UNUSED_PLUGINS)
     result.assert_outcomes(passed=3)
 
 

@@ -1,0 +1,50 @@
+"""An operator needs a client and a recorder, not the game day: built from those two alone it
+records its kill with the tasks read right before and after it, which the requeue checkers
+judge.
+
+The control plane here is an httpx transport answering from a table.
+"""
+
+from __future__ import annotations
+
+import httpx
+from faker import Faker
+
+from harness.act.client import CoveyClient
+from harness.act.operator import Operator
+from harness.record.history import History
+from harness.record.recorder import Recorder
+
+
+def client_answering(states: list[str]) -> CoveyClient:
+    """A control plane whose agent a1 has one task, in the state `states` holds at the time
+    of the read (a kill moves it on)."""
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/v1/agents/a1/kill":
+            states.append("open")
+            return httpx.Response(200, json={"agents_stopped": ["a1"]})
+        if request.url.path == "/api/v1/agents/a1/backlog":
+            return httpx.Response(200, json=[{"id": "t1", "agent_id": "a1",
+                                              "state": states[-1]}])
+        return httpx.Response(404, json={"error": "Not found"})
+    client = CoveyClient("http://covey.test")
+    client.http = httpx.AsyncClient(base_url="http://covey.test",
+                                    transport=httpx.MockTransport(answer))
+    return client
+
+
+async def test_an_operator_of_a_client_and_a_recorder_reads_the_tasks_around_its_kill() -> None:
+    client = client_answering(["in_progress"])
+    history = History()
+    recorder = Recorder(history=history, agents={"a1": {"id": "a1"}},
+                        people={"auditor": client}, admins_beside={},
+                        dialect_name="covey-gameday", stack="none", data_dir=None,
+                        lease_ms=None, notes=[], measurements={})
+    security = Operator("security", client, recorder, Faker())
+    assert (await security.kill_agent("a1")).status_code == 200
+    kill = history.operations("kill_agent")[0]
+    reads = [(e.value["state"], e.time_ns < kill.start_ns)
+             for e in history.select(f="task_state")]
+    assert reads == [("in_progress", True), ("open", False)], (
+        f"the operator did not read the task before and after its kill: {reads}")
+    await client.aclose()
