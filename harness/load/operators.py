@@ -87,12 +87,14 @@ def loopback_only(url: str) -> None:
 
 @contextlib.asynccontextmanager
 async def operators_at_work(endpoints: Endpoints, token: str, prefix: str, report_dir: Path,
-                            name: str, users: int = 24, run_time_s: int = 90,
+                            name: str, users: int = 64, run_time_s: int = 90,
                             wait_s: tuple[float, float] = (0.0, 0.1),
                             measurements: dict[str, Any] | None = None
                             ) -> AsyncIterator[OperatorLoad]:
     """`users` Locust operators acting as the holder of `token` on the agents whose slugs
-    start with `prefix`, each waiting `wait_s` between requests, for at most `run_time_s`
+    start with `prefix`, each waiting `wait_s` between requests (by default an incident's
+    crowd: 64 of them at once, which a control plane on two cores answers partly with shed
+    reads, as issue 20's "200 reads in flight" did), for at most `run_time_s`
     and at most the block. Yields once Locust has had its first answers (else fails,
     pointing at its log). Its summary goes into `measurements["operators"]` (a game day's
     journal) however the block ends."""
