@@ -23,8 +23,7 @@ from harness.load.operators import game_day_agents, operators_at_work
 from harness.record.gameday import GameDay, assert_valid
 
 NO_LOOP_TRIP = {"loop_window": 1000, "loop_repeats": 1000}  # the switch is under test
-# File tools and shell commands without pause: none falls asleep before the switches come.
-OTHERS = ("busy_tools", "silent")
+OTHERS = ("busy_tools", "busy_tools", "silent")  # none falls asleep before the switches
 AGENTS, DELETERS = 20, 5
 
 
@@ -38,7 +37,7 @@ AGENTS, DELETERS = 20, 5
 async def test_fleet_stop_under_incident_load(gameday: GameDay) -> None:
     day, owner, security, expect = (gameday, gameday.as_("agent_owner"),
                                     gameday.as_("security"), gameday.expect)
-    agents = [await day.agent("rm_rf" if i < DELETERS else OTHERS[i % 2], guard=NO_LOOP_TRIP,
+    agents = [await day.agent("rm_rf" if i < DELETERS else OTHERS[i % 3], guard=NO_LOOP_TRIP,
                               owner="agent_owner" if i < DELETERS else None)
               for i in range(AGENTS)]
     victim, fleet = agents[0], agents[1:]
@@ -65,9 +64,10 @@ async def test_fleet_stop_under_incident_load(gameday: GameDay) -> None:
         killed["sessions_cancelled"]))
     await expect.work_back_in_the_backlog(stop, in_progress)
 
-    # The incident is over: every agent behaves, the fleet resumes, then the killed one.
+    # The incident is over: every agent finishes each task at once (the operators' writes
+    # left hundreds), the fleet resumes, then the killed one.
     for a in agents:
-        await day.endpoints.puppet.assign(a["id"], "well_behaved")
+        await day.endpoints.puppet.assign(a["id"], {"steps": [{"finish": "incident over"}]})
     await expect.fleet_resume_wakes_open_work(security, fleet)
     json_of(await owner.resume_agent(victim))
     day.outcome.steady_after = {"tasks_done": len(await day.until.all_tasks_done()),
