@@ -32,8 +32,8 @@ from harness.judge.checkers import (
     sent_at,
 )
 from harness.judge.costs import LAST_SYNC, RESTORED, spend_beyond_cap
-from harness.judge.stops import stops
-from harness.judge.time_to_stop import time_to_stop
+from harness.judge.stops import Stop, stops
+from harness.judge.time_to_stop import percentile_ms, time_to_stop
 from harness.record.history import History, Operation
 
 BOUND_PREFIX = "within_bound:"
@@ -74,7 +74,8 @@ class Figure:
                        f"{_amount(self.bound, self.unit)} ({self.reading.detail}).")
         else:
             message = (f"{self.name}: {_amount(value, self.unit)}, past its bound of "
-                       f"{_amount(self.bound, self.unit)}: {self.reading.detail}.")
+                       f"{_amount(self.bound, self.unit)}: {self.reading.detail}."
+                       + (f" {RULES[self.name]}" if self.name in RULES else ""))
         return Verdict(BOUND_PREFIX + self.name, within, message, self.reading.evidence)
 
     def to_json(self) -> dict[str, Any]:
@@ -175,6 +176,44 @@ def request_to_last_action_ms(history: History, final: FinalState) -> Reading:
                    (kill.first_index, last.first_index))
 
 
+def request_to_last_action_p50_ms(history: History, final: FinalState) -> Reading:
+    """The median time from a kill's request to the last action of an agent it stopped,
+    over the agents that acted after their request (benchmarks/rm_rf.py's "last action
+    p50", which issue 20 states its targets in): the typical late agent, where
+    request_to_last_action_ms is the slowest. 0 when no agent acted after its request (a
+    `docker kill` or SIGKILL leaves none). An agent another stop already held when the
+    request came (an agent kill before a fleet kill) was not stopped by it and is left
+    out."""
+    per, kills, acting = _after_requests(history, final, lambda a: True)
+    if not kills or not acting:
+        return Reading(None, "no kill covered an agent seen acting before it")
+    all_stops = stops(history)
+    stopped = [(agent, kill, late) for agent, kill, late in per
+               if not _held_before(all_stops, agent, final.org_of(agent), kill)]
+    if not stopped:
+        return Reading(None, "every agent a kill covered was already held by an earlier one")
+    late_ones = [(agent, kill, late, (max(m for _, m in late) - kill.start_ns) / 1e6)
+                 for agent, kill, late in stopped if late]
+    if not late_ones:
+        return Reading(0, f"none of {len(stopped)} stopped agent(s) acted after its kill "
+                          f"was requested", tuple(sorted({k.first_index for _, k, _ in stopped})))
+    median = percentile_ms([t for *_, t in late_ones], 50)
+    agent, kill, late, at = min(late_ones, key=lambda p: abs(p[3] - median))
+    return Reading(median, f"{len(late_ones)} of {len(stopped)} stopped agents acted after "
+                           f"the request, the slowest {max(t for *_, t in late_ones):.1f} ms "
+                           f"after it; at the median, agent {agent}'s last action (event "
+                           f"{max(late, key=lambda p: p[1])[0].first_index}) {at:.1f} ms "
+                           f"after the {kill.f} "
+                           f"requested at event {kill.first_index}",
+                   (kill.first_index, *(a.first_index for a, _ in late)))
+
+
+def _held_before(all_stops: list[Stop], agent: str, org: str | None, kill: Operation) -> bool:
+    """Whether a stop other than `kill`'s held the agent when `kill` was requested."""
+    return any(s.kill.first_index != kill.first_index and s.covers(agent, org)
+               and s.holds_at(kill.start_ns) for s in all_stops)
+
+
 def files_lost_beyond_last_sync(history: History, final: FinalState) -> Reading:
     """Files of a killed agent's last sync missing or changed in the home its next session
     is restored from (DESIGN §2.3.7: the kill may lose what came after the sync, never the
@@ -231,12 +270,31 @@ def slowest_stop_ms(history: History, final: FinalState) -> Reading:
                    (worst.kill_index,))
 
 
+# What a figure past its bound means, for whoever is on call: said after the figure and the
+# events that show it.
+RULES: dict[str, str] = {
+    "actions_after_request": (
+        "Rule broken: a kill stops its agent at once. Every action counted was sent after the "
+        "operator's request, so the switch did not prevent it (issue 20: at most 1 per agent)."),
+    "deletions_after_request": (
+        "Rule broken: a kill stops its agent at once. Every `rm` counted was sent after the "
+        "operator's request and deleted files the switch should have saved."),
+    "request_to_last_action_ms": (
+        "Rule broken: a kill stops its slowest agent within the stated time of the operator's "
+        "request (issue 20: at least as fast as `docker kill`)."),
+    "request_to_last_action_p50_ms": (
+        "Rule broken: a kill stops the typical agent within the stated time of the "
+        "operator's request (issue 20: at least as fast as `docker kill`)."),
+}
+
+
 FigureReader = Callable[[History, FinalState], Reading]
 # name: (reader, unit)
 FIGURES: dict[str, tuple[FigureReader, str]] = {
     "actions_after_request": (actions_after_request, "actions"),
     "deletions_after_request": (deletions_after_request, "rm calls"),
     "request_to_last_action_ms": (request_to_last_action_ms, "ms"),
+    "request_to_last_action_p50_ms": (request_to_last_action_p50_ms, "ms"),
     "files_lost_beyond_last_sync": (files_lost_beyond_last_sync, "files"),
     "spend_beyond_cap_usd": (spend_beyond_cap_usd, "usd"),
     "slowest_stop_ms": (slowest_stop_ms, "ms"),

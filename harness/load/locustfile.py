@@ -101,11 +101,18 @@ class CoveyUser(HttpUser):
         return None
 
 
+def _operator_wait_s() -> tuple[float, float]:
+    """Between one operator's requests: people at work by default; an incident's crowd
+    (harness.load.operators) asks more often."""
+    low, _, high = os.environ.get("COVEY_LOAD_OPERATOR_WAIT_S", "0.5,2.0").partition(",")
+    return float(low), float(high or low)
+
+
 class Operator(CoveyUser):
     """Somebody at work: reads most of the time, now and then gives an agent work."""
 
     weight = int(os.environ.get("COVEY_LOAD_OPERATOR_WEIGHT", "10"))
-    wait_time = between(0.5, 2.0)
+    wait_time = between(*_operator_wait_s())
     token_variable = "COVEY_LOAD_OPERATOR_TOKEN"
 
     def on_start(self) -> None:

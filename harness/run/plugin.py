@@ -73,6 +73,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--reuse-stack", action="store_true",
                     help="bring the stack up once for the whole run (each game day still "
                          "runs in an organisation of its own on it)")
+    group.addoption("--any-stack", action="store_true",
+                    help="run game days marked `stacks(...)` on this stack all the same")
     group.addoption("--agents", type=int, default=5, help="agents per game day (default 5)")
     group.addoption("--report-dir", default="reports", help="where journals go")
     group.addoption("--seed", type=int, default=None,
@@ -295,6 +297,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A game day marked `stacks("processes", why=...)` runs on those stacks only: on another
+    it is skipped before a stack is brought up, saying why (`--any-stack` runs it anyway)."""
+    mark = item.get_closest_marker(STACKS_MARK)
+    if mark is None:
+        return
+    unknown = set(mark.args) - set(STACKS)
+    if not mark.args or unknown:
+        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{STACKS_MARK} names no stack "
+                                f"{', '.join(sorted(unknown))}; stacks: {', '.join(STACKS)}")
+    name, _ = _stack_name(item.config)
+    if name not in mark.args and not item.config.getoption("--any-stack"):
+        why = mark.kwargs.get("why")
+        pytest.skip(f"this game day runs on the {' and '.join(mark.args)} stack only, not on "
+                    f"{name}" + (f": {why}" if why else "") + " (--any-stack runs it here)")
+
+
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Module | None:
     """Game days are the modules of a `scenarios/` folder, whatever their names: a plain
     `pytest` (or `pytest scenarios/`) runs them too. Files named on the command line are
@@ -346,6 +366,7 @@ HEARTBEAT_MIN_MARK = "heartbeat_min_s"
 LEASE_MARK = "lease_ms"
 MEASURES_MARK = "measures"
 BOUNDS_MARK = "bounds"
+STACKS_MARK = "stacks"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -363,6 +384,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", f"{LEASE_MARK}(ms): bring this game day's own stack up with this kill-flag "
                    f"lease (COVEY_LEASE_MS; skipped with --reuse-stack and on a deployment)")
+    config.addinivalue_line(
+        "markers", f"{STACKS_MARK}(*stacks, why=...): run this game day on these stacks only "
+                   f"(skipped on another, before its stack is up, unless --any-stack)")
     config.addinivalue_line(
         "markers", f"{CHECKERS_MARK}(*checkers): judge this game day with these checkers "
                    f"(and those it decides) instead of the default set")
