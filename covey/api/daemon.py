@@ -22,7 +22,7 @@ from starlette.websockets import WebSocketDisconnected, WebSocketState
 from covey import metrics
 from covey.db import UNREACHABLE, through_outage
 from covey.hub import DaemonLink, send_to
-from covey.orchestrator import LAYER_NAMES, GuardTripReport, Orchestrator, record
+from covey.orchestrator import LAYER_NAMES, GuardTripReport, Orchestrator
 from covey.protocol import (
     MESSAGES,
     Blocked,
@@ -38,6 +38,7 @@ from covey.protocol import (
     TaskDone,
     read_frame,
 )
+from covey.rows import record
 from covey.security import token_hash
 
 log = structlog.get_logger(__name__)
