@@ -32,6 +32,7 @@ from covey import metrics
 from covey.config import Settings
 from covey.db import (
     MAY_RUN,
+    BatchedWrite,
     Connection,
     Pool,
     fetch_one,
@@ -48,6 +49,10 @@ T = TypeVar("T")
 
 LIVE = ("starting", "running")
 
+# The largest a session's cost can be: sessions.cost_usd is numeric(12,6). Each cost message
+# is bounded (covey.protocol.MAX_COST_USD); their sum is held here, not refused: the spend was
+# real, and the guard, not this column, is what stops a runaway.
+MAX_SESSION_COST_USD = "999999.999999"
 # No heartbeat fires more often than the settings' heartbeat_min_s (covey.config), and none
 # of an agent fires while it already has this many heartbeat tasks unfinished.
 MAX_OPEN_HEARTBEAT_TASKS = 10
@@ -145,6 +150,27 @@ class Orchestrator(Switches):
         # task that looks at them: see wake_notified.
         self._notified: dict[UUID, None] = {}
         self._notified_waking: asyncio.Task[None] | None = None
+        # What working daemons say as they go (their tool events, their model costs), a
+        # statement and a commit for all that arrive together, not each: an rm -rf fleet
+        # of 20 said ~800 a second, each its own commit (a WAL flush) and its own turn for a
+        # pooled connection, and the kill's statements queued behind them on the same
+        # event loop and disk. Each daemon still waits for its own row (its messages stay
+        # in order).
+        self.record_event = BatchedWrite(
+            self.pool,
+            "INSERT INTO recording_events (agent_id, session_id, kind, status, detail)"
+            " SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[],"
+            " $5::jsonb[])")
+        self.record_cost = BatchedWrite(
+            self.pool,
+            "WITH x AS (SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::numeric[],"
+            " $4::integer[]) AS x(agent_id, session_id, usd, tokens)),"
+            " booked AS (INSERT INTO cost_entries (agent_id, session_id, usd, tokens)"
+            " SELECT agent_id, session_id, usd, tokens FROM x)"
+            " UPDATE sessions s SET cost_usd=LEAST(s.cost_usd + t.usd,"
+            f" {MAX_SESSION_COST_USD})"
+            " FROM (SELECT session_id, sum(usd) AS usd FROM x GROUP BY session_id) t"
+            " WHERE s.id=t.session_id")
 
     # ---------------------------------------------------------------- waking
 
