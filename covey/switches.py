@@ -43,10 +43,10 @@ from covey.rows import (
     emit_statuses,
     lock_agent,
     lock_fleet,
-    notify_all,
     record,
     record_many,
     requeue_in_progress,
+    status_event,
 )
 from covey.sandbox import Runner
 
@@ -166,8 +166,8 @@ class Switches:
             live = await self._cancel_live_sessions(conn, "s.agent_id=$1", [agent_id])
             if not row["was_killed"] or row["was_origin"] != origin:
                 await audit(conn, org_id, actor_id, "agent.kill", str(agent_id),
-                            {"origin": origin, "reason": reason})
-                await emit_status(conn, org_id, agent_id, "killed")
+                            {"origin": origin, "reason": reason},
+                            notify=status_event(org_id, agent_id, "killed"))
             return row, live
 
         # One connection for both of the kill's transactions, held between them: a kill
@@ -241,21 +241,31 @@ class Switches:
         """Cancel the sessions a kill must stop, in the flag's own transaction, and announce
         them to every replica at commit. Cancelled with the flag, a daemon that exits the
         instant it hears `kill` is never mistaken for a lost one (that would count a retry
-        and requeue behind the kill's back)."""
+        and requeue behind the kill's back).
+
+        Daemons connected to another replica hear of the kill through it: one NOTIFY per
+        200 sessions (what fits the 8000-byte payload), sent by the same statement. Every
+        statement before the commit is a round trip the kill waits for, and under load each
+        one waits its turn on a busy event loop and a busy database: a kill's commit took
+        400 ms there while a fleet chattered."""
         live = await conn.fetch(
             f"""
-            UPDATE sessions s SET state='cancelled', ended_at=now(), stop_layer='kill-switch',
-                   stop_reason='stopped by the kill switch'
-            FROM agents a
-            WHERE a.id=s.agent_id AND {where} AND s.state IN ('starting','running')
-            RETURNING s.id, s.agent_id, s.sandbox_id
+            WITH live AS (
+                UPDATE sessions s SET state='cancelled', ended_at=now(),
+                       stop_layer='kill-switch', stop_reason='stopped by the kill switch'
+                FROM agents a
+                WHERE a.id=s.agent_id AND {where} AND s.state IN ('starting','running')
+                RETURNING s.id, s.agent_id, s.sandbox_id
+            ), announced AS (
+                SELECT count(pg_notify('covey_kill', ids)) AS notified
+                FROM (SELECT string_agg(id::text, ',') AS ids
+                      FROM (SELECT id, (row_number() OVER () - 1) / 200 AS batch FROM live) b
+                      GROUP BY batch) x
+            )
+            SELECT live.id, live.agent_id, live.sandbox_id FROM live, announced
             """,
             *args,
         )
-        # Daemons connected to another replica hear of the kill through it; one NOTIFY
-        # per batch that fits the 8000-byte payload.
-        await notify_all(conn, "covey_kill", [",".join(str(s["id"]) for s in live[i:i + 200])
-                                              for i in range(0, len(live), 200)])
         return list(live)
 
     async def _stop_sessions(self, conn: Connection, scope: str, live: list[asyncpg.Record],
