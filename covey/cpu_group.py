@@ -58,24 +58,6 @@ class CpuGroup:
                 return
             pending.extend(children(current))
 
-    def release(self, pid: int) -> None:
-        """Move a sandbox out of the group, with what it has started, into the plane's own
-        cgroup (the group's parent): a daemon told to stop alone is heard and ends at the
-        plane's weight, not at a share of the sandboxes' one weight split with every busy
-        sandbox beside it. Best effort, as `join`: a refused move only costs scheduling."""
-        pending = [pid]
-        while pending:
-            current = pending.pop()
-            try:
-                (self.path.parent / "cgroup.procs").write_text(f"{current}\n")
-            except ProcessLookupError:
-                continue
-            except OSError as exc:
-                log.warning("sandbox_cpu_group_release_refused", pid=current,
-                            path=str(self.path.parent), reason=str(exc))
-                return
-            pending.extend(children(current))
-
     def remove(self) -> None:
         """Remove the group once the plane stops; only an empty group can go, and one that
         still holds a sandbox is left for the next plane's `sweep` to remove."""

@@ -64,11 +64,6 @@ class SandboxProvider(Protocol):
         """End the sandbox's daemon now, whatever it is doing."""
         ...
 
-    def hasten(self, handle: str) -> None:
-        """The sandbox's daemon is about to be told to stop, alone: let it have the CPU to
-        hear it and exit (at once, without blocking)."""
-        ...
-
     async def close(self) -> None:
         """The control plane is going away: no sandbox of this provider outlives it."""
         ...
@@ -255,10 +250,6 @@ class ProcessProvider:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
 
-    def hasten(self, handle: str) -> None:
-        if self._cpu_group is not None and handle in self._procs:
-            self._cpu_group.release(int(handle))
-
     async def close(self) -> None:
         for handle in list(self._procs):
             await self.destroy(handle)
@@ -415,10 +406,6 @@ class DockerProvider:
                     container.remove(force=True)
 
         await asyncio.to_thread(sweep)
-
-    def hasten(self, handle: str) -> None:
-        """Nothing: the sandboxes already weigh less than the plane (`cpu_shares`), and
-        raising one's weight is an engine call, slower than the kill it would hasten."""
 
     async def destroy(self, handle: str) -> None:
         def kill() -> None:
@@ -764,11 +751,6 @@ class Runner:
                         grace_s=grace)
         await asyncio.gather(*(self._provider.destroy(h) for h in left.values()))
         return list(left)
-
-    def hasten(self, session_ids: list[UUID]) -> None:
-        """The daemons of these sessions are about to be sent a kill (covey.switches)."""
-        for sandbox_id in self.sandboxes_of(session_ids).values():
-            self._provider.hasten(self._handles[sandbox_id])
 
     def sandboxes_of(self, session_ids: list[UUID]) -> dict[UUID, UUID]:
         """The sandboxes this runner holds that run these sessions (session -> sandbox)."""

@@ -284,7 +284,6 @@ class Switches:
         connection: a few statements on it, whatever the fleet's size."""
         session_ids = [s["id"] for s in live]
         crowd = len(session_ids)
-        self._hasten(session_ids, crowd)
         delivered = await asyncio.gather(*(self.hub.send_kill(s, crowd) for s in session_ids))
         report.kill_delivered = [s for s, ok in zip(session_ids, delivered, strict=True) if ok]
         metrics.kill_stage_seconds.labels(scope, "kill_sent").observe(
@@ -318,15 +317,6 @@ class Switches:
             time.perf_counter() - started)
         report.sessions_cancelled = session_ids
         return evicted
-
-    def _hasten(self, session_ids: list[UUID], crowd: int) -> None:
-        """A kill of one agent lifts its sandbox out of the sandboxes' shared CPU weight
-        before the kill is sent (covey/cpu_group.py): with twenty busy sandboxes beside it,
-        the killed daemon read its kill and exited at a twentieth of their one share, its
-        exit 150 ms behind its acknowledgement. Not for a crowd: a fleet kill's daemons
-        would all be lifted over the plane that is still confirming their kill."""
-        if self.runner is not None and crowd == 1:
-            self.runner.hasten(session_ids)
 
     async def _await_stopped(self, live: list[asyncpg.Record], evicted: list[asyncpg.Record],
                              report: KillReport) -> None:
@@ -472,7 +462,6 @@ class Switches:
         to: those cost nothing now."""
         crowd = len(session_ids)
         sending = self.hub.not_yet_killed(session_ids)
-        self._hasten(sending, crowd)
         sent = await asyncio.gather(*(self.hub.send_kill(s, crowd) for s in sending))
         # The second line holds here too: the replica that holds a daemon is the one whose
         # runner can tear its sandbox down (the kill's own replica reads the confirmation).
