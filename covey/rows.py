@@ -116,22 +116,25 @@ async def audit(conn: Connection, org_id: UUID | None, actor_id: UUID | None, ac
              why=detail.get("reason"), detail=detail)
 
 
-async def requeue_in_progress(conn: Connection, where: str, args: list[Any], note: str
-                              ) -> list[UUID]:
-    """Put the in-progress tasks matching `where` back to open, with a transition each."""
-    rows = await conn.fetch(
-        f"""
-        WITH moved AS (
+def requeue_ctes(where: str, note: str) -> str:
+    """The requeue as two CTEs of a larger statement: `moved` (the in-progress tasks matching
+    `where`, back to open: their ids) and `logged` (a transition each, noting `note`, a
+    parameter such as `$3`)."""
+    return f"""
+        moved AS (
             UPDATE backlog_tasks t SET state='open', claim_token=NULL, claimed_by=NULL,
                    updated_at=now()
             WHERE t.state='in_progress' AND {where}
             RETURNING t.id
         ), logged AS (
             INSERT INTO task_transitions (task_id, from_state, to_state, note)
-            SELECT id, 'in_progress', 'open', ${len(args) + 1} FROM moved
-        )
-        SELECT id FROM moved
-        """,
-        *args, note,
-    )
+            SELECT id, 'in_progress', 'open', {note} FROM moved
+        )"""
+
+
+async def requeue_in_progress(conn: Connection, where: str, args: list[Any], note: str
+                              ) -> list[UUID]:
+    """Put the in-progress tasks matching `where` back to open, with a transition each."""
+    rows = await conn.fetch(
+        f"WITH {requeue_ctes(where, f'${len(args) + 1}')} SELECT id FROM moved", *args, note)
     return [r["id"] for r in rows]

@@ -45,7 +45,7 @@ from covey.rows import (
     lock_fleet,
     record,
     record_many,
-    requeue_in_progress,
+    requeue_ctes,
     status_event,
 )
 from covey.sandbox import Runner
@@ -293,25 +293,40 @@ class Switches:
 
         among, among_args = held or ("SELECT unnest($1::uuid[])", [touched])
 
+        # One statement, committed on its own: the kill's answer waits for it, and each
+        # statement of a transaction (its BEGIN and COMMIT too) is a round trip that waits
+        # its turn on the plane's event loop: five of them were most of the answer's time
+        # beyond the daemon's acknowledgement (benchmarks.kill_latency).
+        n = len(among_args)
+        session_of = {s["agent_id"]: s["id"] for s in live}
+
         async def requeue(conn: Connection) -> tuple[list[asyncpg.Record], list[UUID]]:
-            evicted = await conn.fetch(
-                "UPDATE sandboxes SET state='evicted', ended_at=now()"
-                f" WHERE agent_id IN ({among}) AND state='parked'"
-                " RETURNING id, agent_id, node",
-                *among_args,
-            )
-            requeued = await requeue_in_progress(
-                conn, f"t.agent_id IN ({among})", among_args, f"{scope} kill-switch")
-            if touched:
-                await record_many(conn, touched, {s["agent_id"]: s["id"] for s in live},
-                                  "kill", "killed", {"scope": scope,
-                                                     "requeued": len(requeued)})
-            return list(evicted), requeued
+            rows = await conn.fetch(
+                f"""
+                WITH evicted AS (
+                    UPDATE sandboxes SET state='evicted', ended_at=now()
+                    WHERE agent_id IN ({among}) AND state='parked'
+                    RETURNING id, agent_id, node
+                ), {requeue_ctes(f"t.agent_id IN ({among})", f"${n + 1}")}, recorded AS (
+                    INSERT INTO recording_events (agent_id, session_id, kind, status, detail)
+                    SELECT a, s, 'kill', 'killed',
+                           jsonb_build_object('scope', ${n + 2}::text,
+                                              'requeued', (SELECT count(*) FROM moved))
+                    FROM unnest(${n + 3}::uuid[], ${n + 4}::uuid[]) AS x(a, s)
+                )
+                SELECT 'evicted' AS what, id, agent_id, node FROM evicted
+                UNION ALL SELECT 'requeued', id, NULL, NULL FROM moved
+                """,
+                *among_args, f"{scope} kill-switch", scope, touched,
+                [session_of.get(a) for a in touched])
+            return ([r for r in rows if r["what"] == "evicted"],
+                    [r["id"] for r in rows if r["what"] == "requeued"])
 
         if touched or held:
             # Retried like the flag's: with the flag committed, a requeue that failed on a
             # deadlock would leave the work in progress and answer the kill with a 500.
-            evicted, report.tasks_requeued = await _retried(conn, requeue, scope, "requeue")
+            evicted, report.tasks_requeued = await _retried(conn, requeue, scope, "requeue",
+                                                            statement=True)
             report.evicted_sandboxes = [r["id"] for r in evicted]
         metrics.kill_stage_seconds.labels(scope, "requeued").observe(
             time.perf_counter() - started)
@@ -615,12 +630,15 @@ class Switches:
 
 
 async def _retried(conn: Connection, body: Callable[[Connection], Awaitable[T]], scope: str,
-                   step: str) -> T:
-    """Run `body` in a transaction on `conn`, again when Postgres breaks a deadlock (or a
-    serialization conflict) by failing it: an emergency stop must not fail because a wake,
-    a sweep or a daemon's report held a row it needed. Each attempt starts from scratch."""
+                   step: str, statement: bool = False) -> T:
+    """Run `body` in a transaction on `conn` (`statement`: its one statement, atomic by
+    itself), again when Postgres breaks a deadlock (or a serialization conflict) by failing
+    it: an emergency stop must not fail because a wake, a sweep or a daemon's report held a
+    row it needed. Each attempt starts from scratch."""
     for attempt in range(1, 6):
         try:
+            if statement:  # one statement: atomic by itself, no BEGIN and COMMIT to wait for
+                return await body(conn)
             async with conn.transaction():
                 return await body(conn)
         except asyncpg.InterfaceError as exc:
