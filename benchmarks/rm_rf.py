@@ -171,9 +171,16 @@ async def stop_one(day: GameDay, tools: Instruments, agent_id: str, instrument: 
     t0 = time.time_ns()
     if instrument == "switch":
         json_of(await day.as_("agent_owner").kill_agent(agent_id))
+        # The request is the kill's own HTTP call, as the history records it: the operator
+        # reads every task right before it and right after its answer (what the requeue
+        # checkers judge), and those reads are the harness's, not the switch's. Counted from
+        # before them, a switch once "let through" the rm calls of a 100 ms task read.
+        kill = [op for op in day.history.operations("kill_agent")
+                if op.value.get("agent_id") == agent_id][-1]
+        t0, answered = kill.start_ns, (kill.end_ns or time.time_ns()) - kill.start_ns
     else:
         await asyncio.to_thread(tools.hit, instrument, str(box["handle"]))
-    answered = time.time_ns() - t0
+        answered = time.time_ns() - t0
 
     async def gone() -> dict[str, Any] | None:
         row = next(s for s in await day.sandboxes(agent_id) if s["id"] == box["id"])

@@ -211,7 +211,8 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
             provider = DockerProvider(settings.sandbox_image, settings.daemon_command,
                                       settings.docker_network,
                                       {"covey.node": node, "covey.gameday": settings.gameday},
-                                      settings.data_dir / "logs")
+                                      settings.data_dir / "logs",
+                                      cpu_shares=settings.sandbox_cpu_shares)
         else:
             provider = ProcessProvider(settings.daemon_command, settings.data_dir / "logs",
                                        make_cpu_group(settings.sandbox_cpu_group))

@@ -70,6 +70,9 @@ class Settings:
     switch_connections: int = 4
     # "auto": the process sandboxes share one CPU cgroup where one can be made (covey/cpu_group.py).
     sandbox_cpu_group: str = "auto"
+    # The CPU weight of each docker sandbox (cgroup cpu.shares; a container's default is 1024,
+    # as is the control plane's and Postgres's when they run in containers): see DockerProvider.
+    sandbox_cpu_shares: int = 128
     # covey.sign_in: failed sign-ins allowed per account and per client address before each
     # further one waits (back-off doubling from login_backoff_s up to login_backoff_max_s);
     # argon2 verifications at once (the rest queue, then 429).
@@ -143,6 +146,7 @@ class Settings:
             read_queue=_int_env(env, "COVEY_READ_QUEUE", 32, 0),
             switch_connections=_int_env(env, "COVEY_SWITCH_CONNECTIONS", 4, 1),
             sandbox_cpu_group=cpu_group,
+            sandbox_cpu_shares=_int_env(env, "COVEY_SANDBOX_CPU_SHARES", 128, 2),
             login_failures_per_account=_int_env(env, "COVEY_LOGIN_FAILURES_PER_ACCOUNT", 5, 1),
             login_failures_per_address=_int_env(env, "COVEY_LOGIN_FAILURES_PER_ADDRESS", 20, 1),
             login_backoff_s=_int_env(env, "COVEY_LOGIN_BACKOFF_S", 2, 1),

@@ -614,9 +614,12 @@ async def run(env: Env) -> int:
         for task in (reader, watchdog, beat, daemon.work):
             if task is not None:
                 task.cancel()
-        if daemon.work is not None:
+        if daemon.work is not None and code != EXIT_KILLED:
             # Bounded: a run that does not end when cancelled must not keep a stopped
-            # daemon alive (its exit is what the kill's grace waits for).
+            # daemon alive (its exit is what the kill's grace waits for). A killed daemon
+            # does not wait at all: its run is halted (it can take no step), its tools are
+            # cut, and the exit below ends whatever is left of it; waiting for a cancelled
+            # model request to unwind only held up the exit the operator is waiting for.
             await asyncio.wait({daemon.work}, timeout=WORK_END_S)
         log.info("exiting with %d after %.1fs: %s", code, time.monotonic() - started,
                  stop.sentence())

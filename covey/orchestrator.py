@@ -1,5 +1,6 @@
-"""The orchestrator: wake, dispatch, the two kill switches and their resumes, the scheduler
-tick, daemon loss. DESIGN §2.3 is the contract; each public method is one of its lines.
+"""The orchestrator: wake, dispatch, the scheduler tick, daemon loss. The switches and their
+resumes are covey.switches, whose class this one extends. DESIGN §2.3 is the contract; each
+public method is one of its lines.
 
 Concurrency rule: every path that starts or feeds work locks the agent row and the
 organisation row and reads both flags under those locks. The switches UPDATE the same rows, so
@@ -19,10 +20,8 @@ import asyncio
 import functools
 import json
 import os
-import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass
 from typing import Any, TypeVar
 from uuid import UUID, uuid4
 
@@ -33,42 +32,33 @@ from covey import metrics
 from covey.config import Settings
 from covey.db import (
     MAY_RUN,
-    UNREACHABLE,
     BatchedWrite,
     Connection,
-    DatabaseUnavailable,
     Pool,
     fetch_one,
     through_outage,
     transaction,
 )
 from covey.hub import DaemonHub, DaemonLink
-from covey.sandbox import Runner
+from covey.rows import emit_status, lock_agent, record, requeue_in_progress
 from covey.security import new_token, token_hash
+from covey.switches import Switches
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 LIVE = ("starting", "running")
 
+# The largest a session's cost can be: sessions.cost_usd is numeric(12,6). Each cost message
+# is bounded (covey.protocol.MAX_COST_USD); their sum is held here, not refused: the spend was
+# real, and the guard, not this column, is what stops a runaway.
+MAX_SESSION_COST_USD = "999999.999999"
 # No heartbeat fires more often than the settings' heartbeat_min_s (covey.config), and none
 # of an agent fires while it already has this many heartbeat tasks unfinished.
 MAX_OPEN_HEARTBEAT_TASKS = 10
 # Work left in progress under a session that is over is requeued once the session has been
 # over this long (or two leases, if longer): see `requeue_orphaned_work`.
 ORPHAN_GRACE_MIN_S = 5.0
-
-# How often a kill reads whether the daemons another replica holds have confirmed it: from
-# the first pause, doubling up to the second (a dozen reads in a 2 s wait, not a hundred).
-REMOTE_CONFIRM_POLL_S = (0.02, 0.25)
-# What ends that wait without failing the kill (already in effect): the database away, or a
-# connection of the switches' lane broken by it.
-ENDS_THE_REMOTE_WAIT: tuple[type[Exception], ...] = (
-    *UNREACHABLE, asyncpg.InterfaceError, asyncpg.InternalClientError)
-
-FLEET_KILLED_TITLE = (
-    "The emergency stop was pulled: every agent of this organisation is paused"
-)
 
 
 LAYER_NAMES = {
@@ -115,139 +105,6 @@ class WakeResult:
     session_id: UUID | None = None
 
 
-@dataclass
-class KillReport:
-    already_killed: bool
-    sessions_cancelled: list[UUID] = field(default_factory=list)
-    kill_delivered: list[UUID] = field(default_factory=list)
-    kill_confirmed: list[UUID] = field(default_factory=list)
-    kill_acknowledged: list[UUID] = field(default_factory=list)  # by kill_ack, not a hang-up
-    # Confirmed by the second line: not acknowledged within the bound, sandbox torn down.
-    kill_torn_down: list[UUID] = field(default_factory=list)
-    tasks_requeued: list[UUID] = field(default_factory=list)
-    agents: list[UUID] = field(default_factory=list)
-    evicted_sandboxes: list[UUID] = field(default_factory=list)
-
-
-@dataclass
-class ResumeReport:
-    changed: bool
-    agents_released: list[UUID] = field(default_factory=list)
-    agents_woken: list[UUID] = field(default_factory=list)
-    held_by_fleet: bool = False
-
-
-async def emit_status(conn: Connection, org_id: UUID, agent_id: UUID, status: str) -> None:
-    """Publish a status change to every replica's event stream (delivered at commit)."""
-    payload = json.dumps({"org_id": str(org_id), "agent_id": str(agent_id), "status": status})
-    await conn.execute("SELECT pg_notify('covey_events', $1)", payload)
-
-
-async def emit_statuses(conn: Connection, org_id: UUID, agent_ids: list[UUID], status: str
-                        ) -> None:
-    """One NOTIFY per hundred agents (a payload holds at most 8000 bytes), all in one
-    statement: a fleet kill of a thousand once made ten round trips of its flag's
-    transaction out of them."""
-    payloads = [json.dumps({"org_id": str(org_id), "status": status,
-                            "agents": [str(a) for a in agent_ids[i:i + 100]]})
-                for i in range(0, len(agent_ids), 100)]
-    await notify_all(conn, "covey_events", payloads)
-
-
-async def notify_all(conn: Connection, channel: str, payloads: list[str]) -> None:
-    """NOTIFY each payload on `channel`, in one round trip."""
-    if payloads:
-        await conn.execute("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p",
-                           channel, payloads)
-
-
-async def lock_agent(conn: Connection, agent_id: UUID, *, write: bool
-                     ) -> dict[str, Any] | None:
-    """Lock an agent, then its organisation (the one lock order), and read the flags:
-    `stopped` is MAY_RUN's answer, asked in a statement of its own after the locks, so that
-    it sees a switch that committed while we waited (a subquery of the locking statement
-    would read the snapshot from before the wait)."""
-    mode = "FOR NO KEY UPDATE OF a" if write else "FOR SHARE OF a"
-    row = await conn.fetchrow(
-        f"""
-        SELECT a.id, a.org_id, a.killed, a.kill_origin, a.warm_sandbox, a.slug,
-               a.display_name, a.owner_id, o.fleet_killed
-        FROM agents a JOIN organizations o ON o.id=a.org_id
-        WHERE a.id=$1 {mode} FOR SHARE OF o
-        """,
-        agent_id,
-    )
-    if row is None:
-        return None
-    may_run = await conn.fetchval(
-        f"SELECT {MAY_RUN} FROM agents a JOIN organizations o ON o.id=a.org_id WHERE a.id=$1",
-        agent_id)
-    return {**dict(row), "stopped": not may_run}
-
-
-async def lock_fleet(conn: Connection, org_id: UUID) -> bool | None:
-    """Lock every agent of the organisation (by id), then the organisation itself."""
-    await conn.execute(
-        "SELECT id FROM agents WHERE org_id=$1 ORDER BY id FOR NO KEY UPDATE", org_id)
-    was: bool | None = await conn.fetchval(
-        "SELECT fleet_killed FROM organizations WHERE id=$1 FOR NO KEY UPDATE", org_id)
-    return was
-
-
-async def record_many(conn: Connection, agent_ids: list[UUID], session_of: dict[UUID, UUID],
-                      kind: str, status: str, detail: dict[str, Any]) -> None:
-    await conn.execute(
-        "INSERT INTO recording_events (agent_id, session_id, kind, status, detail)"
-        " SELECT a, s, $3, $4, $5 FROM unnest($1::uuid[], $2::uuid[]) AS x(a, s)",
-        agent_ids, [session_of.get(a) for a in agent_ids], kind, status, detail,
-    )
-
-
-async def record(conn: Connection, agent_id: UUID, session_id: UUID | None, kind: str,
-                 status: str, detail: dict[str, Any]) -> None:
-    await conn.execute(
-        "INSERT INTO recording_events (agent_id, session_id, kind, status, detail)"
-        " VALUES ($1, $2, $3, $4, $5)",
-        agent_id, session_id, kind, status, detail,
-    )
-
-
-async def audit(conn: Connection, org_id: UUID | None, actor_id: UUID | None, action: str,
-                target: str, detail: dict[str, Any] | None = None) -> None:
-    """In the audit log (GET /api/v1/audit), and on the server's log at INFO with who and
-    why: switch pulls were once only in the table, out of reach of the log's alerts. Logged
-    as written, inside the caller's transaction; a transaction that then fails logs that."""
-    detail = detail or {}
-    actor = await conn.fetchval(
-        "INSERT INTO audit_log (org_id, actor_id, action, target, detail)"
-        " VALUES ($1, $2, $3, $4, $5)"
-        " RETURNING (SELECT email FROM humans WHERE id=$2)",
-        org_id, actor_id, action, target, detail,
-    )
-    log.info("audit", action=action, actor=actor or "the control plane",
-             org_id=str(org_id) if org_id else None, target=target,
-             why=detail.get("reason"), detail=detail)
-
-
-async def requeue_in_progress(conn: Connection, where: str, args: list[Any], note: str
-                              ) -> list[UUID]:
-    """Put the in-progress tasks matching `where` back to open, with a transition each."""
-    rows = await conn.fetch(
-        f"""
-        WITH moved AS (
-            UPDATE backlog_tasks t SET state='open', claim_token=NULL, claimed_by=NULL,
-                   updated_at=now()
-            WHERE t.state='in_progress' AND {where}
-            RETURNING t.id
-        ), logged AS (
-            INSERT INTO task_transitions (task_id, from_state, to_state, note)
-            SELECT id, 'in_progress', 'open', ${len(args) + 1} FROM moved
-        )
-        SELECT id FROM moved
-        """,
-        *args, note,
-    )
-    return [r["id"] for r in rows]
 
 
 async def _lose_work(conn: Connection, session_id: UUID, max_retries: int, why: str
@@ -280,18 +137,11 @@ async def _lose_work(conn: Connection, session_id: UUID, max_retries: int, why: 
     return rows
 
 
-class Orchestrator:
+class Orchestrator(Switches):
     def __init__(self, pool: Pool, settings: Settings, hub: DaemonHub, node: str,
                  ws_url: str, switch_pool: Pool | None = None) -> None:
-        self.pool = pool
-        # The switches' lane (covey.admission): the kills, the global stop, the lease
-        # renewals and the daemons' kill confirmations, on connections no read can take.
-        self.switch_pool = pool if switch_pool is None else switch_pool
-        self.settings = settings
-        self.hub = hub
-        self.node = node
+        super().__init__(pool, settings, hub, node, switch_pool)
         self.ws_url = ws_url
-        self.runner: Runner | None = None
         # The daemon protocol's side of a warm wake: a connected daemon takes up a session
         # (covey.api.daemon sets it; the protocol lives there).
         self.hand_over: Callable[[DaemonLink], Awaitable[None]] | None = None
@@ -300,24 +150,27 @@ class Orchestrator:
         # task that looks at them: see wake_notified.
         self._notified: dict[UUID, None] = {}
         self._notified_waking: asyncio.Task[None] | None = None
-        # Sessions whose sandboxes the second line is tearing down (see _tear_down_once).
-        self._tearing_down: dict[UUID, asyncio.Future[None]] = {}
-        # A fleet kill's daemons confirm all at once: their words go to their sessions a
-        # batch per statement, not a pool round trip (and a connection reset) each.
-        self.record_kill_confirmation = BatchedWrite(
-            self.switch_pool,
-            "UPDATE sessions s SET kill_sent_at=x.sent, kill_confirmed_at=x.confirmed,"
-            " kill_confirmed_by=x.how, kill_acked_at=x.acked"
-            " FROM unnest($1::uuid[], $2::timestamptz[], $3::timestamptz[], $4::text[],"
-            " $5::timestamptz[]) AS x(id, sent, confirmed, how, acked)"
-            " WHERE s.id=x.id AND s.kill_confirmed_by IS NULL")
-        self.record_daemon_stop = BatchedWrite(
-            self.switch_pool,
-            "UPDATE sessions s SET daemon_stop=x.stop, daemon_stop_detail=x.detail,"
-            " tool_cut=x.cut"
-            " FROM unnest($1::uuid[], $2::text[], $3::text[], $4::jsonb[])"
-            " AS x(id, stop, detail, cut)"
-            " WHERE s.id=x.id AND s.daemon_stop IS NULL")
+        # What working daemons say as they go (their tool events, their model costs), a
+        # statement and a commit for all that arrive together, not each: an rm -rf fleet
+        # of 20 said ~800 a second, each its own commit (a WAL flush) and its own turn for a
+        # pooled connection, and the kill's statements queued behind them on the same
+        # event loop and disk. Each daemon still waits for its own row (its messages stay
+        # in order).
+        self.record_event = BatchedWrite(
+            self.pool,
+            "INSERT INTO recording_events (agent_id, session_id, kind, status, detail)"
+            " SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[],"
+            " $5::jsonb[])")
+        self.record_cost = BatchedWrite(
+            self.pool,
+            "WITH x AS (SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::numeric[],"
+            " $4::integer[]) AS x(agent_id, session_id, usd, tokens)),"
+            " booked AS (INSERT INTO cost_entries (agent_id, session_id, usd, tokens)"
+            " SELECT agent_id, session_id, usd, tokens FROM x)"
+            " UPDATE sessions s SET cost_usd=LEAST(s.cost_usd + t.usd,"
+            f" {MAX_SESSION_COST_USD})"
+            " FROM (SELECT session_id, sum(usd) AS usd FROM x GROUP BY session_id) t"
+            " WHERE s.id=t.session_id")
 
     # ---------------------------------------------------------------- waking
 
@@ -758,483 +611,6 @@ class Orchestrator:
         state = await self.pool.fetchval("SELECT state FROM sessions WHERE id=$1", session_id)
         return bool(state == "ended")
 
-    # ---------------------------------------------------------------- switches
-
-    async def _switch(self, conn: Connection, body: Callable[[Connection], Awaitable[T]],
-                      scope: str, started: float) -> T:
-        """Run a switch's flag transaction; time its commit."""
-        result = await _retried(conn, body, scope, "flag")
-        metrics.kill_stage_seconds.labels(scope, "flag_committed").observe(
-            time.perf_counter() - started)
-        return result
-
-    async def kill_agent(self, org_id: UUID, agent_id: UUID, actor_id: UUID | None,
-                         origin: str = "agent", started: float | None = None,
-                         reason: str | None = None) -> KillReport | None:
-        """DESIGN §2.3 line 1. Returns None when the agent is not in this organisation.
-        `started` is when the request arrived (perf_counter), for the stage metrics."""
-        started = time.perf_counter() if started is None else started
-
-        async def flag(conn: Connection) -> tuple[asyncpg.Record, list[asyncpg.Record]] | None:
-            row = await conn.fetchrow(
-                """
-                WITH prev AS (
-                    SELECT id, killed, kill_origin FROM agents
-                    WHERE id=$1 AND org_id=$2 FOR NO KEY UPDATE
-                )
-                UPDATE agents a SET killed=true, status='killed',
-                       killed_at=COALESCE(a.killed_at, now()),
-                       -- An agent's own kill outranks the fleet's: fleet resume must leave
-                       -- an agent that someone stopped on purpose stopped.
-                       kill_origin=CASE WHEN NOT prev.killed OR prev.kill_origin='fleet'
-                                        THEN $3 ELSE prev.kill_origin END
-                FROM prev WHERE a.id=prev.id
-                RETURNING prev.killed AS was_killed, prev.kill_origin AS was_origin
-                """,
-                agent_id, org_id, origin,
-            )
-            if row is None:
-                return None
-            live = await self._cancel_live_sessions(conn, "s.agent_id=$1", [agent_id])
-            if not row["was_killed"] or row["was_origin"] != origin:
-                await audit(conn, org_id, actor_id, "agent.kill", str(agent_id),
-                            {"origin": origin, "reason": reason})
-                await emit_status(conn, org_id, agent_id, "killed")
-            return row, live
-
-        # One connection for both of the kill's transactions, held between them: a kill
-        # must not wait for a second pool connection while it holds one (a hundred kills
-        # at once emptied the pool that way), nor queue for its requeue behind the
-        # statements of the very exits it caused (a fleet kill causes hundreds at once).
-        async with self.switch_pool.acquire() as conn:
-            done = await self._switch(conn, flag, "agent", started)
-            if done is None:
-                return None
-            row, live = done
-            changed = not row["was_killed"] or row["was_origin"] != origin
-            report = KillReport(already_killed=bool(row["was_killed"]), agents=[agent_id])
-            evicted = await self._stop_sessions(conn, "agent", live,
-                                                [agent_id] if changed else [], started, report,
-                                                held=("SELECT $1::uuid", [agent_id]))
-        await self._await_stopped(live, evicted, report)
-        metrics.kills.labels("agent", "already" if report.already_killed else "killed").inc()
-        return report
-
-    async def kill_fleet(self, org_id: UUID, actor_id: UUID | None,
-                         started: float | None = None, reason: str | None = None
-                         ) -> KillReport:
-        """DESIGN §2.3 line 2: the org flag, then every agent's kill, in one commit."""
-        started = time.perf_counter() if started is None else started
-
-        async def flag(conn: Connection) -> tuple[bool, list[UUID], list[asyncpg.Record]]:
-            was = bool(await lock_fleet(conn, org_id))
-            await conn.execute(
-                "UPDATE organizations SET fleet_killed=true,"
-                " fleet_killed_at=COALESCE(fleet_killed_at, now()),"
-                " fleet_killed_by=COALESCE(fleet_killed_by, $2),"
-                " fleet_killed_reason=CASE WHEN fleet_killed THEN fleet_killed_reason ELSE $3 END"
-                " WHERE id=$1",
-                org_id, actor_id, reason,
-            )
-            newly = [r["id"] for r in await conn.fetch(
-                "UPDATE agents SET killed=true, kill_origin='fleet', status='killed',"
-                " killed_at=now() WHERE org_id=$1 AND NOT killed RETURNING id",
-                org_id,
-            )]
-            live = await self._cancel_live_sessions(conn, "a.org_id=$1", [org_id])
-            if not was:
-                recipients = await conn.fetchval(
-                    "SELECT COALESCE(array_agg(id), '{}') FROM humans WHERE org_id=$1"
-                    " AND role IN ('org_admin','controlling')",
-                    org_id,
-                )
-                await conn.execute(
-                    "INSERT INTO notifications (org_id, class, kind, title, link, recipients)"
-                    " VALUES ($1, 'cost', 'fleet_killed', $2, '/administration', $3)",
-                    org_id, FLEET_KILLED_TITLE, recipients,
-                )
-                await audit(conn, org_id, actor_id, "fleet.kill", str(org_id),
-                            {"agents": len(newly), "reason": reason})
-            await emit_statuses(conn, org_id, newly, "killed")
-            return was, newly, live
-
-        async with self.switch_pool.acquire() as conn:  # one connection, as in kill_agent
-            was, agents, live = await self._switch(conn, flag, "fleet", started)
-            report = KillReport(already_killed=was, agents=agents)
-            evicted = await self._stop_sessions(
-                conn, "fleet", live, agents, started, report,
-                held=("SELECT id FROM agents WHERE org_id=$1", [org_id]))
-        await self._await_stopped(live, evicted, report)
-        metrics.kills.labels("fleet", "already" if was else "killed").inc()
-        return report
-
-    async def _cancel_live_sessions(self, conn: Connection, where: str, args: list[Any]
-                                    ) -> list[asyncpg.Record]:
-        """Cancel the sessions a kill must stop, in the flag's own transaction, and announce
-        them to every replica at commit. Cancelled with the flag, a daemon that exits the
-        instant it hears `kill` is never mistaken for a lost one (that would count a retry
-        and requeue behind the kill's back)."""
-        live = await conn.fetch(
-            f"""
-            UPDATE sessions s SET state='cancelled', ended_at=now(), stop_layer='kill-switch',
-                   stop_reason='stopped by the kill switch'
-            FROM agents a
-            WHERE a.id=s.agent_id AND {where} AND s.state IN ('starting','running')
-            RETURNING s.id, s.agent_id, s.sandbox_id
-            """,
-            *args,
-        )
-        # Daemons connected to another replica hear of the kill through it; one NOTIFY
-        # per batch that fits the 8000-byte payload.
-        await notify_all(conn, "covey_kill", [",".join(str(s["id"]) for s in live[i:i + 200])
-                                              for i in range(0, len(live), 200)])
-        return list(live)
-
-    async def _stop_sessions(self, conn: Connection, scope: str, live: list[asyncpg.Record],
-                             agents: list[UUID], started: float, report: KillReport,
-                             held: tuple[str, list[Any]] | None = None
-                             ) -> list[asyncpg.Record]:
-        """After the flag is committed (with the sessions cancelled): kill messages, evict
-        warm sandboxes, requeue in-progress work, record. In that order (DESIGN §2.3 line 1).
-        `agents` are those whose flag this kill set; with the agents of live sessions, they
-        are the ones it touches (a repeated kill touches none, and records nothing). `held`
-        (a query of agent ids, its arguments) are all the agents the flag now stops: their
-        parked sandboxes are evicted and their work requeued even on a repeated kill, which
-        must finish what an earlier one cut short (its control plane SIGKILLed, its database
-        gone, between its flag and this step: the retry its 503 asks for answered 200 and left
-        the work in progress). Returns the evicted sandboxes. `conn` is the flag's
-        connection: a few statements on it, whatever the fleet's size."""
-        session_ids = [s["id"] for s in live]
-        crowd = len(session_ids)
-        delivered = await asyncio.gather(*(self.hub.send_kill(s, crowd) for s in session_ids))
-        report.kill_delivered = [s for s, ok in zip(session_ids, delivered, strict=True) if ok]
-        metrics.kill_stage_seconds.labels(scope, "kill_sent").observe(
-            time.perf_counter() - started)
-        touched = sorted({*agents, *(s["agent_id"] for s in live)})
-        evicted: list[asyncpg.Record] = []
-
-        among, among_args = held or ("SELECT unnest($1::uuid[])", [touched])
-
-        async def requeue(conn: Connection) -> tuple[list[asyncpg.Record], list[UUID]]:
-            evicted = await conn.fetch(
-                "UPDATE sandboxes SET state='evicted', ended_at=now()"
-                f" WHERE agent_id IN ({among}) AND state='parked'"
-                " RETURNING id, agent_id, node",
-                *among_args,
-            )
-            requeued = await requeue_in_progress(
-                conn, f"t.agent_id IN ({among})", among_args, f"{scope} kill-switch")
-            if touched:
-                await record_many(conn, touched, {s["agent_id"]: s["id"] for s in live},
-                                  "kill", "killed", {"scope": scope,
-                                                     "requeued": len(requeued)})
-            return list(evicted), requeued
-
-        if touched or held:
-            # Retried like the flag's: with the flag committed, a requeue that failed on a
-            # deadlock would leave the work in progress and answer the kill with a 500.
-            evicted, report.tasks_requeued = await _retried(conn, requeue, scope, "requeue")
-            report.evicted_sandboxes = [r["id"] for r in evicted]
-        metrics.kill_stage_seconds.labels(scope, "requeued").observe(
-            time.perf_counter() - started)
-        report.sessions_cancelled = session_ids
-        return evicted
-
-    async def _await_stopped(self, live: list[asyncpg.Record], evicted: list[asyncpg.Record],
-                             report: KillReport) -> None:
-        """With the kill's connection back in the pool: the sandboxes' teardown, then the
-        wait for the daemons' confirmations."""
-        if self.runner is not None:
-            await self.runner.discard_evicted(evicted)
-            self.runner.tear_down([s["sandbox_id"] for s in live],
-                                  {s["sandbox_id"] for s in live
-                                   if s["id"] in report.kill_delivered})
-        # The answer waits until the daemons have the kill in hand: a game day once saw a
-        # model call leave a sandbox after the acknowledgement, the kill still on its way
-        # through a proxy. Bounded: a daemon that cannot answer is stopped by its lease.
-        # Those another replica holds too: a game day pulled a kill on one replica and had
-        # its answer before the daemon on the other had even heard of it.
-        bound_s = self._confirm_bound_s
-        here = set(report.kill_delivered)
-        (local, torn), remote = await asyncio.gather(
-            self._second_line(report.kill_delivered, bound_s),
-            self._confirmed_elsewhere([s["id"] for s in live if s["id"] not in here],
-                                      bound_s))
-        report.kill_confirmed = [*local, *remote]
-        report.kill_acknowledged = [*self.hub.acknowledged(local),
-                                    *(s for s, how in remote.items() if how == "kill_ack")]
-        report.kill_torn_down = [*torn, *(s for s, how in remote.items() if how == "teardown")]
-
-    @property
-    def _confirm_bound_s(self) -> float:
-        """How long a kill's answer waits for its daemons' confirmations at most."""
-        return min(self.settings.lease_ms / 1000, 2.0)
-
-    async def _second_line(self, session_ids: list[UUID], bound_s: float
-                           ) -> tuple[list[UUID], list[UUID]]:
-        """Wait for the daemons connected here to confirm the kill sent to them; those that
-        have not acknowledged it within the kill-ack bound (from the kill's send) have their
-        sandboxes torn down by the runner: the second line. Returns the sessions confirmed
-        (in the order given) and those of them confirmed by a teardown.
-
-        A daemon's acknowledgement is the first line, and a daemon is code that can break:
-        one deaf to `kill` (its kill handling broken, its loop blocked, its channel wedged)
-        otherwise ran on until its lease lapsed, acting all the while. The bound sits well
-        under the lease; a daemon torn down is never counted as having obeyed. A daemon
-        that hung up without a word within the bound is torn down too if it still runs (its
-        record keeps the hang-up). A daemon whose sandbox this runner does not hold is waited
-        for up to `bound_s`, as is every daemon without the second line
-        (COVEY_KILL_ACK_BOUND_MS=0, or no runner here): a deaf one stops by its lease."""
-        ack_bound_s = self.settings.kill_ack_bound_s
-        if ack_bound_s is None or self.runner is None or not session_ids:
-            return await self.hub.wait_stopped(session_ids, bound_s), []
-        sent_ns = self.hub.first_kill_sent_ns(session_ids) or time.time_ns()
-        left_s = max(0.0, ack_bound_s - (time.time_ns() - sent_ns) / 1e9)
-        confirmed = set(await self.hub.wait_stopped(session_ids, left_s))
-        acknowledged = set(self.hub.acknowledged(session_ids))
-        await self._tear_down_once([s for s in session_ids if s not in acknowledged],
-                                   ack_bound_s)
-        torn = self.hub.torn_down(session_ids)
-        confirmed.update(torn)
-        if rest := [s for s in session_ids if s not in confirmed]:
-            left_s = max(0.0, bound_s - (time.time_ns() - sent_ns) / 1e9)
-            confirmed.update(await self.hub.wait_stopped(rest, left_s))
-        return [s for s in session_ids if s in confirmed], torn
-
-    async def _tear_down_once(self, session_ids: list[UUID], ack_bound_s: float) -> None:
-        """Tear down the sandboxes of these sessions that still run here, once however many
-        paths ask: a kill reaches a daemon by the local call and by its own NOTIFY, and
-        whichever sends it, both hold the second line for it."""
-        theirs = {f for s in session_ids if (f := self._tearing_down.get(s)) is not None}
-        mine = [s for s in session_ids if s not in self._tearing_down]
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        for session_id in mine:
-            self._tearing_down[session_id] = done
-        try:
-            running = {} if self.runner is None else self.runner.sandboxes_of(mine)
-            destroyed = set() if not running or self.runner is None else set(
-                await self.runner.tear_down_now(list(running.values()), ack_bound_s))
-            for session_id, sandbox_id in running.items():
-                if sandbox_id not in destroyed:
-                    continue
-                log.warning("kill not acknowledged within its bound; sandbox torn down",
-                            session_id=str(session_id), sandbox_id=str(sandbox_id),
-                            bound_ms=round(ack_bound_s * 1000))
-                link = self.hub.confirm_teardown(session_id)
-                if link is not None:
-                    self._save_teardown(link)
-        finally:
-            for session_id in mine:
-                self._tearing_down.pop(session_id, None)
-            done.set_result(None)
-        if theirs:
-            await asyncio.wait(theirs)
-
-    def _save_teardown(self, link: DaemonLink) -> None:
-        """Write a teardown's confirmation on the session, without holding up the kill's
-        answer. Claimed first: the daemon's handler, which saves whatever confirmed the kill
-        when the torn-down daemon's channel ends, then leaves it alone."""
-        if link.confirmation_saved or link.kill_sent_ns is None or link.kill_confirmed_ns is None:
-            return
-        link.confirmation_saved = True
-        sent, confirmed = (datetime.fromtimestamp(ns / 1e9, UTC)
-                           for ns in (link.kill_sent_ns, link.kill_confirmed_ns))
-        self.spawn(through_outage(lambda: self.record_kill_confirmation.write(
-            link.session_id, sent, confirmed, "teardown", None), "kill confirmation"))
-
-    async def _confirmed_elsewhere(self, session_ids: list[UUID], timeout_s: float
-                                   ) -> dict[UUID, str]:
-        """Of these sessions (cancelled by this kill, their daemon not connected here), wait
-        at most `timeout_s` for those whose daemon another replica holds (its session, which
-        it renewed within the lease; not this node's previous life) to confirm the kill there:
-        that replica writes the confirmation on the session. Returns how each that did
-        confirmed it. The database going away or hanging ends the wait (the daemons stop by
-        their lease): it fails nothing, and it never outlasts `timeout_s`."""
-        if not session_ids:
-            return {}
-        confirmed: dict[UUID, str] = {}
-        pause = REMOTE_CONFIRM_POLL_S[0]
-        try:
-            async with asyncio.timeout(timeout_s):
-                held = await self.switch_pool.fetch(
-                    "SELECT id FROM sessions WHERE id = ANY($1::uuid[])"
-                    " AND node NOT LIKE $2 || ':%'"
-                    " AND last_seen_at > now() - make_interval(secs => $3)",
-                    session_ids, self.node.rsplit(":", 1)[0], self.settings.lease_ms / 1000)
-                waiting = [r["id"] for r in held]
-                while waiting:
-                    for r in await self.switch_pool.fetch(
-                            "SELECT id, kill_confirmed_by FROM sessions"
-                            " WHERE id = ANY($1::uuid[]) AND kill_confirmed_by IS NOT NULL",
-                            waiting):
-                        confirmed[r["id"]] = r["kill_confirmed_by"]
-                    waiting = [s for s in waiting if s not in confirmed]
-                    if waiting:
-                        await asyncio.sleep(pause)
-                        pause = min(pause * 2, REMOTE_CONFIRM_POLL_S[1])
-        except TimeoutError:
-            pass
-        except ENDS_THE_REMOTE_WAIT as exc:
-            log.warning("kill confirmations of other replicas not read", error=str(exc))
-        return confirmed
-
-    async def deliver_kills(self, session_ids: list[UUID]) -> None:
-        """A kill announced by another replica (or by ourselves: sent at most once). The
-        kill's own announcement comes back here too, for every session it already sent
-        to: those cost nothing now."""
-        crowd = len(session_ids)
-        sending = self.hub.not_yet_killed(session_ids)
-        sent = await asyncio.gather(*(self.hub.send_kill(s, crowd) for s in sending))
-        # The second line holds here too: the replica that holds a daemon is the one whose
-        # runner can tear its sandbox down (the kill's own replica reads the confirmation).
-        delivered = [s for s, ok in zip(sending, sent, strict=True) if ok]
-        if delivered and self.settings.kill_ack_bound_s is not None and self.runner:
-            self.spawn(self._second_line(delivered, self._confirm_bound_s))
-
-    async def resume_agent(self, org_id: UUID, agent_id: UUID, actor_id: UUID | None,
-                           reason: str | None = None) -> ResumeReport | None:
-        """DESIGN §2.3 line 6: clears the agent's own flag; a fleet stop still holds it."""
-        async with transaction(self.pool) as conn:
-            row = await lock_agent(conn, agent_id, write=True)
-            if row is None or row["org_id"] != org_id:
-                return None
-            if row["killed"]:
-                await conn.execute(
-                    "UPDATE agents SET killed=false, kill_origin=NULL, killed_at=NULL,"
-                    " status='sleeping' WHERE id=$1",
-                    agent_id,
-                )
-                await audit(conn, org_id, actor_id, "agent.resume", str(agent_id),
-                            {"reason": reason})
-                await record(conn, agent_id, None, "kill", "resumed", {})
-                await emit_status(conn, org_id, agent_id, "sleeping")
-        report = ResumeReport(changed=bool(row["killed"]), held_by_fleet=bool(row["fleet_killed"]))
-        if row["killed"]:
-            report.agents_released = [agent_id]
-        if not row["fleet_killed"]:  # wake() still asks MAY_RUN (a global stop holds it)
-            report.agents_woken = await self.wake_many([agent_id], "resume")
-        metrics.resumes.labels("agent", "resumed" if report.changed else "noop").inc()
-        return report
-
-    async def resume_fleet(self, org_id: UUID, actor_id: UUID | None,
-                           reason: str | None = None) -> ResumeReport:
-        """DESIGN §2.3 line 5: clear the org flag and only the agent flags the fleet set,
-        then wake every agent with open work now, not on the next tick."""
-
-        async def release(conn: Connection) -> tuple[bool, list[UUID]]:
-            was = bool(await lock_fleet(conn, org_id))
-            await conn.execute(
-                "UPDATE organizations SET fleet_killed=false, fleet_killed_at=NULL,"
-                " fleet_killed_by=NULL, fleet_killed_reason=NULL WHERE id=$1",
-                org_id,
-            )
-            released = [r["id"] for r in await conn.fetch(
-                "UPDATE agents SET killed=false, kill_origin=NULL, killed_at=NULL,"
-                " status='sleeping' WHERE org_id=$1 AND kill_origin='fleet' RETURNING id",
-                org_id,
-            )]
-            await record_many(conn, released, {}, "kill", "resumed", {"scope": "fleet"})
-            await emit_statuses(conn, org_id, released, "sleeping")
-            if was:
-                await audit(conn, org_id, actor_id, "fleet.resume", str(org_id),
-                            {"agents": len(released), "reason": reason})
-            return was, released
-
-        async with self.pool.acquire() as conn:
-            was, released = await self._switch(conn, release, "fleet-resume",
-                                               time.perf_counter())
-            # Looked for after the commit, never inside it: a covey_wake that found the
-            # fleet still stopped was dropped (wake_notified), and only a look that began
-            # after the release committed is sure to see the work it announced.
-            with_work = [r["id"] for r in await conn.fetch(
-                "SELECT DISTINCT a.id FROM agents a JOIN organizations o ON o.id=a.org_id"
-                " JOIN backlog_tasks t ON t.agent_id=a.id"
-                f" WHERE a.org_id=$1 AND t.state='open' AND {MAY_RUN}",
-                org_id,
-            )]
-        report = ResumeReport(changed=was, agents_released=released)
-        report.agents_woken = await self.wake_many(with_work, "resume")
-        metrics.resumes.labels("fleet", "resumed" if was else "noop").inc()
-        return report
-
-    # ---------------------------------------------------------------- scoped flags
-
-    async def stop_globally(self, actor_id: UUID | None, reason: str,
-                            started: float | None = None) -> KillReport:
-        """The global flag: every organisation on this control plane stops. Agents' own
-        flags are left alone, so that clearing it brings back exactly what it stopped."""
-        started = time.perf_counter() if started is None else started
-
-        async def flag(conn: Connection) -> tuple[bool, list[asyncpg.Record]]:
-            # Every agent, then every organisation: the one lock order, so a wake either
-            # commits its session before this (and is cancelled here) or sees the flag.
-            await conn.execute("SELECT id FROM agents ORDER BY id FOR NO KEY UPDATE")
-            await conn.execute("SELECT id FROM organizations ORDER BY id FOR NO KEY UPDATE")
-            inserted = await conn.fetchval(
-                "INSERT INTO kill_flags (id, scope, reason, set_by) VALUES ($1, 'global', $2, $3)"
-                " ON CONFLICT DO NOTHING RETURNING id", uuid4(), reason, actor_id)
-            live = await self._cancel_live_sessions(conn, "true", [])
-            stopped = await conn.fetch(
-                "UPDATE agents SET status='sleeping' WHERE id = ANY($1::uuid[]) AND NOT killed"
-                " RETURNING id, org_id", [s["agent_id"] for s in live])
-            for org in {r["org_id"] for r in stopped}:
-                await emit_statuses(conn, org, [r["id"] for r in stopped
-                                                if r["org_id"] == org], "sleeping")
-            if inserted is not None:
-                await audit(conn, None, actor_id, "flag.global.set", "global",
-                            {"reason": reason, "sessions": len(live)})
-            return inserted is None, live
-
-        async with self.switch_pool.acquire() as conn:  # one connection, as in kill_agent
-            was, live = await self._switch(conn, flag, "global", started)
-            report = KillReport(already_killed=was)
-            # A global stop holds every agent: a repeat finishes what one cut short left.
-            evicted = await self._stop_sessions(conn, "global", live, [], started, report,
-                                                held=("SELECT id FROM agents", []))
-        await self._await_stopped(live, evicted, report)
-        metrics.kills.labels("global", "already" if was else "killed").inc()
-        return report
-
-    async def clear_global_stop(self, actor_id: UUID | None, reason: str) -> ResumeReport:
-        """Clear the global flag and wake at once every agent with open work that may run."""
-        async with transaction(self.pool) as conn:
-            cleared = await conn.fetchval(
-                "DELETE FROM kill_flags WHERE scope='global' RETURNING id")
-            if cleared is not None:
-                await audit(conn, None, actor_id, "flag.global.clear", "global",
-                            {"reason": reason})
-        with_work = [r["id"] for r in await self.pool.fetch(
-            "SELECT DISTINCT a.id FROM agents a JOIN organizations o ON o.id=a.org_id"
-            f" JOIN backlog_tasks t ON t.agent_id=a.id WHERE t.state='open' AND {MAY_RUN}")]
-        report = ResumeReport(changed=cleared is not None)
-        report.agents_woken = await self.wake_many(with_work, "resume")
-        return report
-
-    async def stop_tool(self, org_id: UUID, agent_id: UUID | None, tool: str,
-                        actor_id: UUID | None, reason: str) -> bool:
-        """Stop one tool for one agent or the whole organisation. Returns whether the flag
-        is new. The daemons hear it in their next lease, sent at once by every replica."""
-        async with transaction(self.pool) as conn:
-            inserted = await conn.fetchval(
-                "INSERT INTO kill_flags (id, scope, org_id, agent_id, tool, reason, set_by)"
-                " VALUES ($1, 'tool', $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING RETURNING id",
-                uuid4(), org_id, agent_id, tool, reason, actor_id)
-            if inserted is not None:
-                await _tool_flag_changed(conn, "flag.tool.set", org_id, agent_id, tool,
-                                         actor_id, reason)
-        return inserted is not None
-
-    async def clear_tool_stop(self, org_id: UUID, agent_id: UUID | None, tool: str,
-                              actor_id: UUID | None, reason: str) -> bool:
-        async with transaction(self.pool) as conn:
-            cleared = await conn.fetchval(
-                "DELETE FROM kill_flags WHERE scope='tool' AND org_id=$1 AND tool=$3"
-                " AND agent_id IS NOT DISTINCT FROM $2 RETURNING id", org_id, agent_id, tool)
-            if cleared is not None:
-                await _tool_flag_changed(conn, "flag.tool.clear", org_id, agent_id, tool,
-                                         actor_id, reason)
-        return cleared is not None
-
     # ---------------------------------------------------------------- scheduler
 
     async def tick(self) -> None:
@@ -1386,51 +762,3 @@ class Orchestrator:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("background step failed", error=repr(task.exception()))
-
-
-async def _retried(conn: Connection, body: Callable[[Connection], Awaitable[T]], scope: str,
-                   step: str) -> T:
-    """Run `body` in a transaction on `conn`, again when Postgres breaks a deadlock (or a
-    serialization conflict) by failing it: an emergency stop must not fail because a wake,
-    a sweep or a daemon's report held a row it needed. Each attempt starts from scratch."""
-    for attempt in range(1, 6):
-        try:
-            async with conn.transaction():
-                return await body(conn)
-        except asyncpg.InterfaceError as exc:
-            # A held connection that the server closed (a restart between the kill's two
-            # transactions) is handed back to the pool by asyncpg, and its next use raises
-            # this: the database was away, which the API answers with 503, not a 500.
-            # (Even asking the proxy whether it is closed raises then: its message says.)
-            if "released back to the pool" in str(exc) or "connection is closed" in str(exc):
-                raise DatabaseUnavailable(f"the database closed the {scope} kill's "
-                                          f"connection before its {step}: {exc}") from exc
-            raise
-        except asyncpg.InternalClientError as exc:
-            # The server's goodbye (FATAL: terminating connection) read while the
-            # connection was idle leaves asyncpg waiting for a ReadyForQuery that never
-            # comes, until it sees the socket close: a query in between is refused with
-            # "another operation is in progress". One kill never runs two queries on its
-            # connection at once, so this is the database going away, as above.
-            if "another operation" in str(exc):
-                raise DatabaseUnavailable(f"the database closed the {scope} kill's "
-                                          f"connection before its {step}: {exc}") from exc
-            raise
-        except (asyncpg.DeadlockDetectedError, asyncpg.SerializationError) as exc:
-            if attempt == 5:
-                raise
-            log.warning("switch transaction retried", scope=scope, step=step,
-                        attempt=attempt, error=str(exc))
-    raise AssertionError("unreachable")
-
-
-async def _tool_flag_changed(conn: Connection, action: str, org_id: UUID,
-                             agent_id: UUID | None, tool: str, actor_id: UUID | None,
-                             reason: str) -> None:
-    """A tool flag set or cleared: in the audit log, and pushed to every replica's daemons
-    in their next lease at once."""
-    await audit(conn, org_id, actor_id, action,
-                f"tool:{tool}" + (f"@{agent_id}" if agent_id else ""),
-                {"reason": reason, "tool": tool,
-                 "agent_id": str(agent_id) if agent_id else None})
-    await conn.execute("SELECT pg_notify('covey_leases', '')")

@@ -281,7 +281,8 @@ class DockerProvider:
     HOME = "/home/agent"
 
     def __init__(self, image: str, command: list[str], network: str, labels: dict[str, str],
-                 log_dir: Path, memory: str = "512m", pids: int = 256) -> None:
+                 log_dir: Path, memory: str = "512m", pids: int = 256,
+                 cpu_shares: int = 128) -> None:
         import docker
 
         self._client = docker.from_env()
@@ -291,6 +292,13 @@ class DockerProvider:
         self._labels = labels
         self._memory = memory
         self._pids = pids
+        # The docker backend's equal of the process sandboxes' CPU group (covey/cpu_group.py):
+        # every container weighs as much as every other, so twenty busy sandboxes left the
+        # control plane's container a twenty-first of a loaded host while a kill was due (its
+        # flag's commit came 400 ms after the request, the daemons acting all the while).
+        # Eight sandboxes now weigh as much as the plane; a sandbox alone still has all the
+        # CPU nobody else wants (shares only weigh under contention).
+        self._cpu_shares = cpu_shares
         self._log_dir = log_dir
         self._sandbox_of: dict[str, UUID] = {}
         self._dying: dict[str, asyncio.Future[DaemonExit]] = {}
@@ -312,7 +320,7 @@ class DockerProvider:
                 working_dir=self.HOME, network_mode=self._network,
                 # An init as PID 1 passes signals on: `docker stop` reaches coveyd.
                 init=True,
-                mem_limit=self._memory, pids_limit=self._pids,
+                mem_limit=self._memory, pids_limit=self._pids, cpu_shares=self._cpu_shares,
                 name=f"covey-sandbox-{spec.sandbox_id}")
             if self._closed:  # closed while the engine was starting it
                 container.remove(force=True)

@@ -298,3 +298,34 @@ async def test_a_kill_ack_counts_whatever_its_payload(world: World) -> None:
                                          channel.sandbox_id)
     assert r.json()["sessions_acknowledged"] == [str(session_id)], r.text
     await session_settled(world, channel.sandbox_id)
+
+
+async def test_costs_and_events_said_together_are_each_booked_once_in_order(
+        world: World) -> None:
+    """Two working daemons' costs and tool events, sent back to back, are written a batch
+    per statement (a busy fleet's chatter must not take a commit each): every one is booked
+    once, each session's cost is its own sum, and each daemon's events keep its order."""
+    async with daemon_channel(world) as one, daemon_channel(world) as two:
+        for i in range(40):
+            for channel, usd in ((one, 0.001), (two, 0.002)):
+                await channel.send("cost", {"usd": usd, "tokens": 10})
+                await channel.send("event", {"kind": "tool", "status": "ok",
+                                             "detail": {"step": i}})
+        for channel in (one, two):
+            await channel.send("task_done", {"task_id": channel.task["task_id"],
+                                             "fencing_token": channel.task["fencing_token"],
+                                             "result": "done"})
+            assert (await channel.next("sleep", "error"))["type"] == "sleep"
+    for channel, usd in ((one, 0.001), (two, 0.002)):
+        booked = await world.db.fetchrow(
+            "SELECT count(*) AS n, sum(tokens) AS tokens FROM cost_entries WHERE agent_id=$1",
+            channel.agent_id)
+        assert (booked["n"], booked["tokens"]) == (40, 400), dict(booked)
+        cost = await world.db.fetchval("SELECT cost_usd FROM sessions WHERE sandbox_id=$1",
+                                       channel.sandbox_id)
+        assert float(cost) == pytest.approx(40 * usd), cost
+        steps = [as_json(r["detail"])["step"] for r in await world.db.fetch(
+            "SELECT detail FROM recording_events WHERE agent_id=$1 AND kind='tool'"
+            " ORDER BY id", channel.agent_id)]
+        assert steps == list(range(40)), steps
+        await session_settled(world, channel.sandbox_id)

@@ -73,6 +73,9 @@ async def test_a_kill_exits_3_and_removes_the_container(
     await eventually(busy, 60, "the agent never got going in its container")
     [container] = _containers(docker_client, dworld)
     assert container.labels["covey.agent"] == agent["id"]
+    # A sandbox weighs an eighth of the plane's container on a busy host: twenty of them at
+    # the default weight left the plane a twenty-first of the CPU while a kill was due.
+    assert container.attrs["HostConfig"]["CpuShares"] == 128, container.attrs["HostConfig"]
     r = await dworld.security.post(f"/api/v1/agents/{agent['id']}/kill")
     assert r.status_code == 200
     sandbox = await _gone_sandbox(dworld, agent["id"])

@@ -18,7 +18,7 @@ import pytest
 import websockets
 
 from covey.db import DatabaseUnavailable
-from covey.orchestrator import _retried
+from covey.switches import _retried
 from covey.testing import SCRIPTED_DAEMON
 from covey.testing.plane import World, make_world, start_plane
 from harness.stack.waiting import eventually

@@ -32,8 +32,9 @@ from covey.api.deps import (
     sign_in_lane,
 )
 from covey.errors import ApiError
-from covey.orchestrator import KillReport, Orchestrator
+from covey.orchestrator import Orchestrator
 from covey.sign_in import client_address
+from covey.switches import KillReport
 
 router = APIRouter(prefix="/administration", include_in_schema=False)
 LOGIN_CSRF_COOKIE = "covey_login_csrf"

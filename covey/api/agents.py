@@ -35,17 +35,10 @@ from covey.api.models import (
 )
 from covey.db import Connection, fetch_one
 from covey.errors import ApiError, not_found, stopped
-from covey.orchestrator import (
-    MAX_OPEN_HEARTBEAT_TASKS,
-    KillReport,
-    Orchestrator,
-    ResumeReport,
-    WakeResult,
-    audit,
-    lock_agent,
-    record,
-)
+from covey.orchestrator import MAX_OPEN_HEARTBEAT_TASKS, Orchestrator, WakeResult
+from covey.rows import audit, lock_agent, record
 from covey.security import new_token, token_hash
+from covey.switches import KillReport, ResumeReport
 
 router = APIRouter(prefix="/api/v1/agents", tags=["agents"])
 

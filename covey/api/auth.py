@@ -12,7 +12,7 @@ from covey.api.deps import Orch, OrgAdmin, PlatformAdmin, Signed, SignInLane
 from covey.api.models import LoginIn, MemberIn, MeOut, OrgIn, OrgOut, TokenIn, TokenOut
 from covey.db import Connection
 from covey.errors import ApiError
-from covey.orchestrator import audit
+from covey.rows import audit
 from covey.security import hash_password, new_token, token_hash
 from covey.sign_in import client_address
 

@@ -22,7 +22,7 @@ from starlette.websockets import WebSocketDisconnected, WebSocketState
 from covey import metrics
 from covey.db import UNREACHABLE, through_outage
 from covey.hub import DaemonLink, send_to
-from covey.orchestrator import LAYER_NAMES, GuardTripReport, Orchestrator, record
+from covey.orchestrator import LAYER_NAMES, GuardTripReport, Orchestrator
 from covey.protocol import (
     MESSAGES,
     Blocked,
@@ -38,6 +38,7 @@ from covey.protocol import (
     TaskDone,
     read_frame,
 )
+from covey.rows import record
 from covey.security import token_hash
 
 log = structlog.get_logger(__name__)
@@ -48,10 +49,6 @@ CLOSE_FORBIDDEN = 4403
 CLOSE_PROTOCOL = 4400
 CLOSE_UNAVAILABLE = 4503
 CLOSE_INTERNAL = 1011
-# The largest a session's cost can be: sessions.cost_usd is numeric(12,6). Each cost message
-# is bounded (covey.protocol.MAX_COST_USD); their sum is held here, not refused: the spend was
-# real, and the guard, not this column, is what stops a runaway.
-MAX_SESSION_COST_USD = "999999.999999"
 # What a daemon is configured with when it takes up a session.
 SESSION_CONFIG = ("SELECT s.id, s.state, a.org_id, a.model, a.budget_usd::float8 AS budget_usd,"
                   " a.max_turns, a.guard FROM sessions s JOIN agents a ON a.id=s.agent_id")
@@ -339,21 +336,12 @@ async def _handle(orch: Orchestrator, link: DaemonLink, kind: str, frame: Frame)
         await save_daemon_stop(orch, link, message.stop, message.detail, message.cut)
         return
     if isinstance(message, Event):
-        await orch.pool.execute(
-            "INSERT INTO recording_events (agent_id, session_id, kind, status, detail)"
-            " VALUES ($1, $2, $3, $4, $5)",
-            link.agent_id, link.session_id, message.kind, message.status, message.detail,
-        )
+        await orch.record_event.write(link.agent_id, link.session_id, message.kind,
+                                      message.status, message.detail)
         return
     if isinstance(message, Cost):
-        async with orch.pool.acquire() as conn, conn.transaction():
-            await conn.execute(
-                "INSERT INTO cost_entries (agent_id, session_id, usd, tokens)"
-                " VALUES ($1, $2, $3, $4)", link.agent_id, link.session_id, message.usd,
-                message.tokens)
-            await conn.execute(
-                f"UPDATE sessions SET cost_usd=LEAST(cost_usd+$2, {MAX_SESSION_COST_USD})"
-                " WHERE id=$1", link.session_id, message.usd)
+        await orch.record_cost.write(link.agent_id, link.session_id, message.usd,
+                                     message.tokens)
         metrics.model_spend_usd.labels(str(link.agent_id)).inc(message.usd)
         metrics.model_tokens.labels(str(link.agent_id)).inc(message.tokens)
         return

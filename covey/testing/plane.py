@@ -95,8 +95,12 @@ async def start_plane(database_url: str, data_dir: Path, daemon_command: list[st
     settings = Settings(database_url=database_url, data_dir=data_dir, tick_ms=tick_ms,
                         lease_ms=lease_ms, daemon_command=daemon_command, **overrides)
     app = create_app(settings, host="127.0.0.1", port=port)
+    # Idle connections kept as `covey serve` keeps them (covey.cli): with uvicorn's 5 s, a
+    # benchmark's kept-alive client that waited longer on a loaded host found its connection
+    # closed under its next request (kill_latency died of that IncompleteReadError).
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                            lifespan="on", ws="websockets-sansio", ws_per_message_deflate=False)
+                            lifespan="on", ws="websockets-sansio", ws_per_message_deflate=False,
+                            timeout_keep_alive=30)
     server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve())
     await until(lambda: _started(server, serving), 30, "control plane did not start")

@@ -1,0 +1,140 @@
+"""Statements the orchestrator and the switches share: the one lock order (agents, then
+their organisation), status events, the recording, the audit log and the requeue of work in
+progress. The why of the lock order is at the top of covey.orchestrator."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+from uuid import UUID
+
+import structlog
+
+from covey.db import MAY_RUN, Connection
+
+log = structlog.get_logger(__name__)
+
+def status_event(org_id: UUID, agent_id: UUID, status: str) -> tuple[str, str]:
+    """A status change as the NOTIFY that publishes it: (channel, payload)."""
+    return "covey_events", json.dumps({"org_id": str(org_id), "agent_id": str(agent_id),
+                                       "status": status})
+
+
+async def emit_status(conn: Connection, org_id: UUID, agent_id: UUID, status: str) -> None:
+    """Publish a status change to every replica's event stream (delivered at commit)."""
+    await conn.execute("SELECT pg_notify($1, $2)", *status_event(org_id, agent_id, status))
+
+
+async def emit_statuses(conn: Connection, org_id: UUID, agent_ids: list[UUID], status: str
+                        ) -> None:
+    """One NOTIFY per hundred agents (a payload holds at most 8000 bytes), all in one
+    statement: a fleet kill of a thousand once made ten round trips of its flag's
+    transaction out of them."""
+    payloads = [json.dumps({"org_id": str(org_id), "status": status,
+                            "agents": [str(a) for a in agent_ids[i:i + 100]]})
+                for i in range(0, len(agent_ids), 100)]
+    await notify_all(conn, "covey_events", payloads)
+
+
+async def notify_all(conn: Connection, channel: str, payloads: list[str]) -> None:
+    """NOTIFY each payload on `channel`, in one round trip."""
+    if payloads:
+        await conn.execute("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p",
+                           channel, payloads)
+
+
+async def lock_agent(conn: Connection, agent_id: UUID, *, write: bool
+                     ) -> dict[str, Any] | None:
+    """Lock an agent, then its organisation (the one lock order), and read the flags:
+    `stopped` is MAY_RUN's answer, asked in a statement of its own after the locks, so that
+    it sees a switch that committed while we waited (a subquery of the locking statement
+    would read the snapshot from before the wait)."""
+    mode = "FOR NO KEY UPDATE OF a" if write else "FOR SHARE OF a"
+    row = await conn.fetchrow(
+        f"""
+        SELECT a.id, a.org_id, a.killed, a.kill_origin, a.warm_sandbox, a.slug,
+               a.display_name, a.owner_id, o.fleet_killed
+        FROM agents a JOIN organizations o ON o.id=a.org_id
+        WHERE a.id=$1 {mode} FOR SHARE OF o
+        """,
+        agent_id,
+    )
+    if row is None:
+        return None
+    may_run = await conn.fetchval(
+        f"SELECT {MAY_RUN} FROM agents a JOIN organizations o ON o.id=a.org_id WHERE a.id=$1",
+        agent_id)
+    return {**dict(row), "stopped": not may_run}
+
+
+async def lock_fleet(conn: Connection, org_id: UUID) -> bool | None:
+    """Lock every agent of the organisation (by id), then the organisation itself."""
+    await conn.execute(
+        "SELECT id FROM agents WHERE org_id=$1 ORDER BY id FOR NO KEY UPDATE", org_id)
+    was: bool | None = await conn.fetchval(
+        "SELECT fleet_killed FROM organizations WHERE id=$1 FOR NO KEY UPDATE", org_id)
+    return was
+
+
+async def record_many(conn: Connection, agent_ids: list[UUID], session_of: dict[UUID, UUID],
+                      kind: str, status: str, detail: dict[str, Any]) -> None:
+    await conn.execute(
+        "INSERT INTO recording_events (agent_id, session_id, kind, status, detail)"
+        " SELECT a, s, $3, $4, $5 FROM unnest($1::uuid[], $2::uuid[]) AS x(a, s)",
+        agent_ids, [session_of.get(a) for a in agent_ids], kind, status, detail,
+    )
+
+
+async def record(conn: Connection, agent_id: UUID, session_id: UUID | None, kind: str,
+                 status: str, detail: dict[str, Any]) -> None:
+    await conn.execute(
+        "INSERT INTO recording_events (agent_id, session_id, kind, status, detail)"
+        " VALUES ($1, $2, $3, $4, $5)",
+        agent_id, session_id, kind, status, detail,
+    )
+
+
+async def audit(conn: Connection, org_id: UUID | None, actor_id: UUID | None, action: str,
+                target: str, detail: dict[str, Any] | None = None,
+                notify: tuple[str, str] | None = None) -> None:
+    """In the audit log (GET /api/v1/audit), and on the server's log at INFO with who and
+    why: switch pulls were once only in the table, out of reach of the log's alerts. Logged
+    as written, inside the caller's transaction; a transaction that then fails logs that.
+    `notify` (channel, payload): a NOTIFY sent by the same statement, a round trip fewer for
+    a kill that waits on each."""
+    detail = detail or {}
+    channel, payload = notify or (None, None)
+    actor = await conn.fetchval(
+        "WITH logged AS (INSERT INTO audit_log (org_id, actor_id, action, target, detail)"
+        " VALUES ($1, $2, $3, $4, $5) RETURNING 1),"
+        " told AS (SELECT pg_notify($6, $7) FROM logged WHERE $6::text IS NOT NULL)"
+        " SELECT (SELECT email FROM humans WHERE id=$2), (SELECT count(*) FROM told)",
+        org_id, actor_id, action, target, detail, channel, payload,
+    )
+    log.info("audit", action=action, actor=actor or "the control plane",
+             org_id=str(org_id) if org_id else None, target=target,
+             why=detail.get("reason"), detail=detail)
+
+
+def requeue_ctes(where: str, note: str) -> str:
+    """The requeue as two CTEs of a larger statement: `moved` (the in-progress tasks matching
+    `where`, back to open: their ids) and `logged` (a transition each, noting `note`, a
+    parameter such as `$3`)."""
+    return f"""
+        moved AS (
+            UPDATE backlog_tasks t SET state='open', claim_token=NULL, claimed_by=NULL,
+                   updated_at=now()
+            WHERE t.state='in_progress' AND {where}
+            RETURNING t.id
+        ), logged AS (
+            INSERT INTO task_transitions (task_id, from_state, to_state, note)
+            SELECT id, 'in_progress', 'open', {note} FROM moved
+        )"""
+
+
+async def requeue_in_progress(conn: Connection, where: str, args: list[Any], note: str
+                              ) -> list[UUID]:
+    """Put the in-progress tasks matching `where` back to open, with a transition each."""
+    rows = await conn.fetch(
+        f"WITH {requeue_ctes(where, f'${len(args) + 1}')} SELECT id FROM moved", *args, note)
+    return [r["id"] for r in rows]
