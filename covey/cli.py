@@ -13,7 +13,7 @@ from types import FrameType
 import asyncpg
 import structlog
 
-from covey.config import ConfigError, Settings, model_url_warning
+from covey.config import GRACEFUL_SHUTDOWN_S, ConfigError, Settings, model_url_warning
 
 log = structlog.get_logger(__name__)
 
@@ -112,7 +112,10 @@ def main(argv: list[str] | None = None) -> None:
                     ws_per_message_deflate=False,
                     # Longer than a client's idle gaps: fewer kept-alive connections closed
                     # just as the client reuses them.
-                    timeout_keep_alive=30)
+                    timeout_keep_alive=30,
+                    # A stop waits this long for open connections, then cancels them: a
+                    # daemon channel whose peer vanished without a close held it open.
+                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         return
     if args.command == "bootstrap" and args.platform_admin_email \
             and not args.platform_admin_password:

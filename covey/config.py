@@ -13,6 +13,9 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # tasks in minutes. By default no heartbeat fires more often than once a minute.
 HEARTBEAT_MIN_S = 60
 
+# How long a stopping server waits for its open connections before it cancels them.
+GRACEFUL_SHUTDOWN_S = 5
+
 
 class ConfigError(ValueError):
     """A setting that cannot be used; the message names the variable and a valid value."""

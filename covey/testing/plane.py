@@ -20,7 +20,7 @@ import httpx
 import uvicorn
 
 from covey.app import create_app
-from covey.config import Settings
+from covey.config import GRACEFUL_SHUTDOWN_S, Settings
 from covey.orchestrator import Orchestrator
 from covey.security import hash_password, new_token, token_hash
 
@@ -100,7 +100,11 @@ async def start_plane(database_url: str, data_dir: Path, daemon_command: list[st
     # closed under its next request (kill_latency died of that IncompleteReadError).
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                             lifespan="on", ws="websockets-sansio", ws_per_message_deflate=False,
-                            timeout_keep_alive=30)
+                            timeout_keep_alive=30,
+                            # As `covey serve`: a daemon channel whose peer vanished without a
+                            # close held the stop open (a test's teardown hung 30 s, and its
+                            # leftover daemon failed the worker's next test).
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve())
     await until(lambda: _started(server, serving), 30, "control plane did not start")
