@@ -72,10 +72,11 @@ class RawHttp:
     this event loop, adds about a millisecond of its own to every request on this machine;
     this one puts the request's bytes on the socket right after the clock is read.
 
-    The server closes a keep-alive connection left idle (uvicorn: after 5 s): a fleet's set-up
-    on a loaded host takes longer than that, and the fleet kill written on the closed
-    connection then read an IncompleteRead. `ready()` opens a new connection first where the
-    old one was closed or idle too long; call it before reading the clock."""
+    The server closes a keep-alive connection left idle (uvicorn's default: after 5 s; `covey
+    serve` and the test plane: 30 s): a fleet's set-up on a loaded host took longer than that,
+    and the fleet kill written on the closed connection then read an IncompleteRead. `ready()`
+    opens a new connection first where the old one was closed or idle too long; call it before
+    reading the clock."""
 
     IDLE_S = 3.0  # well under uvicorn's default keep-alive timeout of 5 s
 
