@@ -111,9 +111,50 @@ async def audit(conn: Connection, org_id: UUID | None, actor_id: UUID | None, ac
         " SELECT (SELECT email FROM humans WHERE id=$2), (SELECT count(*) FROM told)",
         org_id, actor_id, action, target, detail, channel, payload,
     )
+    log_audit(action, actor, org_id, target, detail)
+
+
+def log_audit(action: str, actor: str | None, org_id: UUID | None, target: str,
+              detail: dict[str, Any]) -> None:
+    """An audit row written (by `audit`, or inside a switch's own statement) on the log."""
     log.info("audit", action=action, actor=actor or "the control plane",
              org_id=str(org_id) if org_id else None, target=target,
              why=detail.get("reason"), detail=detail)
+
+
+def cancelled_live_ctes(where: str) -> str:
+    """A switch's cancellation as two CTEs of its statement: `live` (the sessions of the
+    agents `where` picks, `agents a` joined to `sessions s`, cancelled: id, agent_id,
+    sandbox_id) and `announced` (one NOTIFY `covey_kill` per 200 of them, what fits the
+    8000-byte payload, so that daemons connected to another replica hear the kill through
+    it; its one row must be read for the NOTIFYs to be sent)."""
+    return f"""
+        live AS (
+            UPDATE sessions s SET state='cancelled', ended_at=now(),
+                   stop_layer='kill-switch', stop_reason='stopped by the kill switch'
+            FROM agents a
+            WHERE a.id=s.agent_id AND {where} AND s.state IN ('starting','running')
+            RETURNING s.id, s.agent_id, s.sandbox_id
+        ), announced AS (
+            SELECT count(pg_notify('covey_kill', ids)) AS notified
+            FROM (SELECT string_agg(id::text, ',') AS ids
+                  FROM (SELECT id, (row_number() OVER () - 1) / 200 AS batch FROM live) b
+                  GROUP BY batch) x
+        )"""
+
+
+def statuses_cte(org: str, agents: str, status: str) -> str:
+    """`emit_statuses` as a CTE `statuses` of a larger statement: the agents of CTE
+    `agents` (an `id` column) of organisation `org` (a parameter such as `$1`) published
+    with `status`, a hundred per NOTIFY; its one row must be read for them to be sent."""
+    return f"""
+        statuses AS (
+            SELECT count(pg_notify('covey_events', json_build_object(
+                       'org_id', {org}::uuid, 'status', '{status}', 'agents', ids)::text))
+            FROM (SELECT json_agg(id) AS ids
+                  FROM (SELECT id, (row_number() OVER () - 1) / 100 AS batch FROM {agents}) b
+                  GROUP BY batch) x
+        )"""
 
 
 def requeue_ctes(where: str, note: str) -> str:

@@ -14,6 +14,7 @@ top of covey.orchestrator.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -39,14 +40,17 @@ from covey.db import (
 from covey.hub import DaemonHub, DaemonLink
 from covey.rows import (
     audit,
+    cancelled_live_ctes,
     emit_status,
     emit_statuses,
     lock_agent,
     lock_fleet,
+    log_audit,
     record,
     record_many,
     requeue_ctes,
     status_event,
+    statuses_cte,
 )
 from covey.sandbox import Runner
 
@@ -129,9 +133,10 @@ class Switches:
 
 
     async def _switch(self, conn: Connection, body: Callable[[Connection], Awaitable[T]],
-                      scope: str, started: float) -> T:
-        """Run a switch's flag transaction; time its commit."""
-        result = await _retried(conn, body, scope, "flag")
+                      scope: str, started: float, locks: str | None = None) -> T:
+        """Run a switch's flag transaction (opened with `locks`, see `_retried`); time its
+        commit."""
+        result = await _retried(conn, body, scope, "flag", locks=locks)
         metrics.kill_stage_seconds.labels(scope, "flag_committed").observe(
             time.perf_counter() - started)
         return result
@@ -143,44 +148,62 @@ class Switches:
         `started` is when the request arrived (perf_counter), for the stage metrics."""
         started = time.perf_counter() if started is None else started
 
-        async def flag(conn: Connection) -> tuple[asyncpg.Record, list[asyncpg.Record]] | None:
-            row = await conn.fetchrow(
-                """
+        async def flag(conn: Connection) -> tuple[bool, str | None, list[asyncpg.Record]] | None:
+            # One statement after the lock, which `_retried` takes with its BEGIN: read under
+            # the lock, so that it sees a session a wake committed while the kill waited.
+            rows = await conn.fetch(
+                f"""
                 WITH prev AS (
-                    SELECT id, killed, kill_origin FROM agents
-                    WHERE id=$1 AND org_id=$2 FOR NO KEY UPDATE
+                    SELECT id, killed, kill_origin FROM agents WHERE id=$1 AND org_id=$2
+                ), flagged AS (
+                    UPDATE agents a SET killed=true, status='killed',
+                           killed_at=COALESCE(a.killed_at, now()),
+                           -- An agent's own kill outranks the fleet's: fleet resume must
+                           -- leave an agent that someone stopped on purpose stopped.
+                           kill_origin=CASE WHEN NOT prev.killed OR prev.kill_origin='fleet'
+                                            THEN $3 ELSE prev.kill_origin END
+                    FROM prev WHERE a.id=prev.id
+                ), {cancelled_live_ctes("a.id IN (SELECT id FROM prev)")}, logged AS (
+                    INSERT INTO audit_log (org_id, actor_id, action, target, detail)
+                    SELECT $2, $4, 'agent.kill', $1::uuid::text,
+                           jsonb_build_object('origin', $3::text, 'reason', $5::text)
+                    FROM prev WHERE NOT prev.killed OR prev.kill_origin IS DISTINCT FROM $3
+                    RETURNING 1
+                ), told AS (
+                    SELECT pg_notify('covey_events', $6) FROM logged
                 )
-                UPDATE agents a SET killed=true, status='killed',
-                       killed_at=COALESCE(a.killed_at, now()),
-                       -- An agent's own kill outranks the fleet's: fleet resume must leave
-                       -- an agent that someone stopped on purpose stopped.
-                       kill_origin=CASE WHEN NOT prev.killed OR prev.kill_origin='fleet'
-                                        THEN $3 ELSE prev.kill_origin END
-                FROM prev WHERE a.id=prev.id
-                RETURNING prev.killed AS was_killed, prev.kill_origin AS was_origin
+                SELECT 'live' AS what, id, agent_id, sandbox_id, NULL::boolean AS killed,
+                       NULL::text AS origin, NULL::text AS actor
+                FROM live
+                UNION ALL
+                SELECT 'agent', id, NULL, NULL, killed, kill_origin,
+                       (SELECT email FROM humans WHERE id=$4)
+                FROM prev, (SELECT count(*) FROM told) t, announced
                 """,
-                agent_id, org_id, origin,
-            )
-            if row is None:
+                agent_id, org_id, origin, actor_id, reason,
+                status_event(org_id, agent_id, "killed")[1])
+            agent = next((r for r in rows if r["what"] == "agent"), None)
+            if agent is None:
                 return None
-            live = await self._cancel_live_sessions(conn, "s.agent_id=$1", [agent_id])
-            if not row["was_killed"] or row["was_origin"] != origin:
-                await audit(conn, org_id, actor_id, "agent.kill", str(agent_id),
-                            {"origin": origin, "reason": reason},
-                            notify=status_event(org_id, agent_id, "killed"))
-            return row, live
+            if not agent["killed"] or agent["origin"] != origin:
+                log_audit("agent.kill", agent["actor"], org_id, str(agent_id),
+                          {"origin": origin, "reason": reason})
+            return bool(agent["killed"]), agent["origin"], [r for r in rows
+                                                            if r["what"] == "live"]
 
         # One connection for both of the kill's transactions, held between them: a kill
         # must not wait for a second pool connection while it holds one (a hundred kills
         # at once emptied the pool that way), nor queue for its requeue behind the
         # statements of the very exits it caused (a fleet kill causes hundreds at once).
         async with self.switch_pool.acquire() as conn:
-            done = await self._switch(conn, flag, "agent", started)
+            done = await self._switch(conn, flag, "agent", started, locks=(
+                f"SELECT id FROM agents WHERE id={uuid_literal(agent_id)}"
+                f" AND org_id={uuid_literal(org_id)} FOR NO KEY UPDATE"))
             if done is None:
                 return None
-            row, live = done
-            changed = not row["was_killed"] or row["was_origin"] != origin
-            report = KillReport(already_killed=bool(row["was_killed"]), agents=[agent_id])
+            was_killed, was_origin, live = done
+            changed = not was_killed or was_origin != origin
+            report = KillReport(already_killed=was_killed, agents=[agent_id])
             evicted = await self._stop_sessions(conn, "agent", live,
                                                 [agent_id] if changed else [], started, report,
                                                 held=("SELECT $1::uuid", [agent_id]))
@@ -195,39 +218,59 @@ class Switches:
         started = time.perf_counter() if started is None else started
 
         async def flag(conn: Connection) -> tuple[bool, list[UUID], list[asyncpg.Record]]:
-            was = bool(await lock_fleet(conn, org_id))
-            await conn.execute(
-                "UPDATE organizations SET fleet_killed=true,"
-                " fleet_killed_at=COALESCE(fleet_killed_at, now()),"
-                " fleet_killed_by=COALESCE(fleet_killed_by, $2),"
-                " fleet_killed_reason=CASE WHEN fleet_killed THEN fleet_killed_reason ELSE $3 END"
-                " WHERE id=$1",
-                org_id, actor_id, reason,
-            )
-            newly = [r["id"] for r in await conn.fetch(
-                "UPDATE agents SET killed=true, kill_origin='fleet', status='killed',"
-                " killed_at=now() WHERE org_id=$1 AND NOT killed RETURNING id",
-                org_id,
-            )]
-            live = await self._cancel_live_sessions(conn, "a.org_id=$1", [org_id])
+            # One statement after the locks, as in kill_agent: every agent's, then the
+            # organisation's (the one lock order), taken by `_retried` with its BEGIN.
+            rows = await conn.fetch(
+                f"""
+                WITH prev AS (
+                    SELECT fleet_killed FROM organizations WHERE id=$1
+                ), org AS (
+                    UPDATE organizations SET fleet_killed=true,
+                           fleet_killed_at=COALESCE(fleet_killed_at, now()),
+                           fleet_killed_by=COALESCE(fleet_killed_by, $2),
+                           fleet_killed_reason=CASE WHEN fleet_killed THEN fleet_killed_reason
+                                                    ELSE $3 END
+                    WHERE id=$1
+                ), newly AS (
+                    UPDATE agents SET killed=true, kill_origin='fleet', status='killed',
+                           killed_at=now()
+                    WHERE org_id=$1 AND NOT killed RETURNING id
+                ), {cancelled_live_ctes("a.org_id=$1")}, told AS (
+                    INSERT INTO notifications (org_id, class, kind, title, link, recipients)
+                    SELECT $1, 'cost', 'fleet_killed', $4, '/administration',
+                           (SELECT COALESCE(array_agg(id), '{{}}') FROM humans
+                            WHERE org_id=$1 AND role IN ('org_admin','controlling'))
+                    FROM prev WHERE NOT prev.fleet_killed
+                ), logged AS (
+                    INSERT INTO audit_log (org_id, actor_id, action, target, detail)
+                    SELECT $1, $2, 'fleet.kill', $1::uuid::text,
+                           jsonb_build_object('agents', (SELECT count(*) FROM newly),
+                                              'reason', $3::text)
+                    FROM prev WHERE NOT prev.fleet_killed
+                ), {statuses_cte("$1", "newly", "killed")}
+                SELECT 'live' AS what, id, agent_id, sandbox_id, NULL::boolean AS was,
+                       NULL::text AS actor
+                FROM live
+                UNION ALL SELECT 'newly', id, NULL, NULL, NULL, NULL FROM newly
+                UNION ALL SELECT 'org', NULL, NULL, NULL, fleet_killed,
+                                 (SELECT email FROM humans WHERE id=$2)
+                FROM prev, announced, statuses
+                """,
+                org_id, actor_id, reason, FLEET_KILLED_TITLE)
+            org = next((r for r in rows if r["what"] == "org"), None)
+            was = bool(org is not None and org["was"])
+            newly = [r["id"] for r in rows if r["what"] == "newly"]
             if not was:
-                recipients = await conn.fetchval(
-                    "SELECT COALESCE(array_agg(id), '{}') FROM humans WHERE org_id=$1"
-                    " AND role IN ('org_admin','controlling')",
-                    org_id,
-                )
-                await conn.execute(
-                    "INSERT INTO notifications (org_id, class, kind, title, link, recipients)"
-                    " VALUES ($1, 'cost', 'fleet_killed', $2, '/administration', $3)",
-                    org_id, FLEET_KILLED_TITLE, recipients,
-                )
-                await audit(conn, org_id, actor_id, "fleet.kill", str(org_id),
-                            {"agents": len(newly), "reason": reason})
-            await emit_statuses(conn, org_id, newly, "killed")
-            return was, newly, live
+                log_audit("fleet.kill", org["actor"] if org else None, org_id, str(org_id),
+                          {"agents": len(newly), "reason": reason})
+            return was, newly, [r for r in rows if r["what"] == "live"]
 
         async with self.switch_pool.acquire() as conn:  # one connection, as in kill_agent
-            was, agents, live = await self._switch(conn, flag, "fleet", started)
+            was, agents, live = await self._switch(conn, flag, "fleet", started, locks=(
+                f"SELECT id FROM agents WHERE org_id={uuid_literal(org_id)}"
+                " ORDER BY id FOR NO KEY UPDATE;"
+                f" SELECT id FROM organizations WHERE id={uuid_literal(org_id)}"
+                " FOR NO KEY UPDATE"))
             report = KillReport(already_killed=was, agents=agents)
             evicted = await self._stop_sessions(
                 conn, "fleet", live, agents, started, report,
@@ -249,23 +292,8 @@ class Switches:
         one waits its turn on a busy event loop and a busy database: a kill's commit took
         400 ms there while a fleet chattered."""
         live = await conn.fetch(
-            f"""
-            WITH live AS (
-                UPDATE sessions s SET state='cancelled', ended_at=now(),
-                       stop_layer='kill-switch', stop_reason='stopped by the kill switch'
-                FROM agents a
-                WHERE a.id=s.agent_id AND {where} AND s.state IN ('starting','running')
-                RETURNING s.id, s.agent_id, s.sandbox_id
-            ), announced AS (
-                SELECT count(pg_notify('covey_kill', ids)) AS notified
-                FROM (SELECT string_agg(id::text, ',') AS ids
-                      FROM (SELECT id, (row_number() OVER () - 1) / 200 AS batch FROM live) b
-                      GROUP BY batch) x
-            )
-            SELECT live.id, live.agent_id, live.sandbox_id FROM live, announced
-            """,
-            *args,
-        )
+            f"WITH {cancelled_live_ctes(where)} SELECT live.id, live.agent_id, live.sandbox_id"
+            " FROM live, announced", *args)
         return list(live)
 
     async def _stop_sessions(self, conn: Connection, scope: str, live: list[asyncpg.Record],
@@ -629,16 +657,44 @@ class Switches:
         return cleared is not None
 
 
+def uuid_literal(value: UUID) -> str:
+    """A UUID as an SQL literal, for the few statements sent without parameters (see
+    `_locked`): its canonical text is hex digits and dashes, nothing to quote."""
+    return f"'{UUID(str(value))}'::uuid"
+
+
+async def _locked(conn: Connection, locks: str, body: Callable[[Connection], Awaitable[T]]
+                  ) -> T:
+    """`body` in a transaction opened with its locks in the same round trip: `locks` is
+    sent with the BEGIN as one simple query, which takes no parameters (hence
+    `uuid_literal`). Under incident load every round trip of a kill's flag waits its turn
+    on the plane's busy event loop and a busy database: the fleet kill's eleven took
+    115-190 ms from the request to the commit in the incident-load game day, while its
+    agents went on acting."""
+    try:
+        await conn.execute(f"BEGIN; {locks}")
+        result = await body(conn)
+    except BaseException:
+        with contextlib.suppress(Exception):  # a broken connection: the pool ends it
+            await conn.execute("ROLLBACK")
+        raise
+    await conn.execute("COMMIT")
+    return result
+
+
 async def _retried(conn: Connection, body: Callable[[Connection], Awaitable[T]], scope: str,
-                   step: str, statement: bool = False) -> T:
+                   step: str, statement: bool = False, locks: str | None = None) -> T:
     """Run `body` in a transaction on `conn` (`statement`: its one statement, atomic by
-    itself), again when Postgres breaks a deadlock (or a serialization conflict) by failing
-    it: an emergency stop must not fail because a wake, a sweep or a daemon's report held a
-    row it needed. Each attempt starts from scratch."""
+    itself; `locks`: opened with these, see `_locked`), again when Postgres breaks a
+    deadlock (or a serialization conflict) by failing it: an emergency stop must not fail
+    because a wake, a sweep or a daemon's report held a row it needed. Each attempt starts
+    from scratch."""
     for attempt in range(1, 6):
         try:
             if statement:  # one statement: atomic by itself, no BEGIN and COMMIT to wait for
                 return await body(conn)
+            if locks is not None:
+                return await _locked(conn, locks, body)
             async with conn.transaction():
                 return await body(conn)
         except asyncpg.InterfaceError as exc:
