@@ -98,7 +98,9 @@ def main(argv: list[str] | None = None) -> None:
         import uvicorn
 
         from covey.app import create_app
+        from covey.cpu_group import raise_plane_priority
 
+        raise_plane_priority(settings.plane_nice)
         warning = model_url_warning(settings)
         if warning:
             log.warning(warning)

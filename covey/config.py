@@ -21,6 +21,25 @@ class ConfigError(ValueError):
     """A setting that cannot be used; the message names the variable and a valid value."""
 
 
+PLANE_NICE = -10
+
+
+def _plane_nice(raw: str | None) -> int | None:
+    """COVEY_PLANE_NICE: a nice value from -20 to 19, or `off`."""
+    if raw is None or raw.strip() == "":
+        return PLANE_NICE
+    if raw.strip() == "off":
+        return None
+    try:
+        nice = int(raw)
+    except ValueError:
+        nice = 99
+    if not -20 <= nice <= 19:
+        raise ConfigError(f"COVEY_PLANE_NICE={raw!r}: use a nice value from -20 to 19, or "
+                          "'off' to leave the control plane's CPU priority as the host gives it")
+    return nice
+
+
 def _int_env(env: dict[str, str], name: str, default: int, minimum: int) -> int:
     raw = env.get(name)
     if raw is None or raw == "":
@@ -76,6 +95,9 @@ class Settings:
     # The CPU weight of each docker sandbox (cgroup cpu.shares; a container's default is 1024,
     # as is the control plane's and Postgres's when they run in containers): see DockerProvider.
     sandbox_cpu_shares: int = 128
+    # The nice value `covey serve` gives its own autogroup (covey.cpu_group.raise_plane_priority);
+    # None: left as the host gives it.
+    plane_nice: int | None = PLANE_NICE
     # covey.sign_in: failed sign-ins allowed per account and per client address before each
     # further one waits (back-off doubling from login_backoff_s up to login_backoff_max_s);
     # argon2 verifications at once (the rest queue, then 429).
@@ -120,6 +142,7 @@ class Settings:
         cpu_group = env.get("COVEY_SANDBOX_CPU_GROUP", "auto")
         if cpu_group not in ("auto", "off"):
             raise ConfigError(f"COVEY_SANDBOX_CPU_GROUP={cpu_group!r}: use 'auto' or 'off'")
+        plane_nice = _plane_nice(env.get("COVEY_PLANE_NICE"))
         cookie_secure = env.get("COVEY_COOKIE_SECURE", "auto")
         if cookie_secure not in ("auto", "always"):
             raise ConfigError(f"COVEY_COOKIE_SECURE={cookie_secure!r}: use 'auto' or 'always'")
@@ -150,6 +173,7 @@ class Settings:
             switch_connections=_int_env(env, "COVEY_SWITCH_CONNECTIONS", 4, 1),
             sandbox_cpu_group=cpu_group,
             sandbox_cpu_shares=_int_env(env, "COVEY_SANDBOX_CPU_SHARES", 128, 2),
+            plane_nice=plane_nice,
             login_failures_per_account=_int_env(env, "COVEY_LOGIN_FAILURES_PER_ACCOUNT", 5, 1),
             login_failures_per_address=_int_env(env, "COVEY_LOGIN_FAILURES_PER_ADDRESS", 20, 1),
             login_backoff_s=_int_env(env, "COVEY_LOGIN_BACKOFF_S", 2, 1),

@@ -1,4 +1,4 @@
-"""One CPU share for all of a control plane's process sandboxes.
+"""One CPU share for all of a control plane's process sandboxes, and a higher one for the plane.
 
 Each process sandbox is a session of its own (`start_new_session`, so that a kill can take its
 whole process group), and Linux's autogroup scheduling gives every session the same share of
@@ -11,6 +11,10 @@ This is scheduling, not containment: a sandbox is still torn down by its process
 its marker (covey/sandbox.py). Where no CPU cgroup can be made (not root, a cgroup v2
 hierarchy whose rules forbid it, a read-only /sys), sandboxes run as before and the plane
 says so once in its log. `COVEY_SANDBOX_CPU_GROUP=off` turns it off.
+
+The plane itself outranks the rest of the host where it may (`raise_plane_priority`): a kill
+is a few round trips through the plane's event loop and its database, and on a busy host each
+waits for the CPU behind everything else that runs.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import structlog
 log = structlog.get_logger("covey.cpu_group")
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+AUTOGROUP = Path("/proc/self/autogroup")
 PREFIX = "covey-sandboxes-"
 
 
@@ -130,3 +135,30 @@ def make_cpu_group(mode: str = "auto", root: Path = CGROUP_ROOT) -> CpuGroup | N
         return None
     log.info("sandbox_cpu_group", path=str(group))
     return CpuGroup(group)
+
+
+def raise_plane_priority(nice: int | None, autogroup: Path = AUTOGROUP) -> bool:
+    """Give `covey serve`'s autogroup (its session: the plane, and whatever it starts without
+    a session of its own) the nice value `nice`, and say so in the log. Returns whether it
+    was set. Sandboxes and Postgres's backends each start a session, so none inherits it.
+
+    Linux weighs sessions against each other, not processes (autogroup scheduling): the
+    plane got one share of the CPU among every busy session of the host. In the
+    incident-load game day (20 busy agents, 64 operators' reads from Locust, on two cores),
+    the fleet kill's flag committed 115-190 ms after the operator's request in the runs
+    that failed, and its agents went on acting meanwhile; at nice -10 it was sent within
+    19-56 ms. Lowering a nice value takes root (CAP_SYS_NICE); where that is refused, or
+    the kernel has no autogroups, the plane runs as it did and the log says why. A
+    process's own nice value is left alone: sandboxes would inherit it."""
+    if nice is None:
+        return False
+    try:
+        autogroup.write_text(f"{nice}\n")
+    except OSError as exc:
+        log.info("plane_cpu_priority_unchanged", nice=nice, reason=str(exc),
+                 hint="run the control plane as root (or with CAP_SYS_NICE) on a kernel with "
+                      "autogroup scheduling, or weigh its cgroup above the sandboxes' "
+                      "(cpu.weight); COVEY_PLANE_NICE=off stops the attempt")
+        return False
+    log.info("plane_cpu_priority", nice=nice, autogroup=str(autogroup))
+    return True

@@ -18,7 +18,15 @@ import pytest
 
 from covey.config import ConfigError, Settings
 from covey.coveyd import STEP_ASIDE_NICE, in_a_crowd
-from covey.cpu_group import PREFIX, CpuGroup, children, make_cpu_group, own_cgroup, sweep
+from covey.cpu_group import (
+    PREFIX,
+    CpuGroup,
+    children,
+    make_cpu_group,
+    own_cgroup,
+    raise_plane_priority,
+    sweep,
+)
 from covey.hub import DaemonHub, DaemonLink
 from covey.sandbox import ProcessProvider, SandboxSpec
 from harness.stack.waiting import eventually
@@ -138,6 +146,53 @@ def test_a_setting_other_than_auto_or_off_is_refused_with_the_choices() -> None:
     with pytest.raises(ConfigError, match="use 'auto' or 'off'"):
         Settings.from_env({"COVEY_SANDBOX_CPU_GROUP": "yes"})
     assert Settings.from_env({}).sandbox_cpu_group == "auto"
+
+
+# A plane that raised its session's priority, then started a sandbox as the runner does (a
+# session of its own): what each says of its autogroup.
+PLANE_THEN_SANDBOX = """
+import subprocess, sys
+from covey.cpu_group import raise_plane_priority
+print(raise_plane_priority(-5))
+print(open("/proc/self/autogroup").read().split()[-1])
+sandbox = subprocess.run([sys.executable, "-c", "print(open('/proc/self/autogroup').read())"],
+                         capture_output=True, text=True, start_new_session=True, check=True)
+print(sandbox.stdout.split()[-1])
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(),
+                    reason="this kernel has no autogroup scheduling")
+def test_the_plane_outranks_the_host_where_it_may_and_its_sandboxes_do_not_inherit_it() -> None:
+    # In a session of its own: the test's session keeps its priority.
+    done = subprocess.run([sys.executable, "-c", PLANE_THEN_SANDBOX], capture_output=True,
+                          text=True, timeout=60, check=True, start_new_session=True)
+    raised, plane, sandbox = done.stdout.splitlines()[-3:]  # after the log's line
+    if os.geteuid() == 0:
+        assert (raised, plane) == ("True", "-5"), f"as root the plane's session was left at " \
+            f"nice {plane} (raised: {raised}); stderr: {done.stderr}"
+    else:
+        assert (raised, plane) == ("False", "0"), \
+            f"without root the plane says it raised its priority ({raised}, nice {plane})"
+    assert sandbox == "0", f"a sandbox inherited the plane's nice {sandbox}: it would " \
+        "outrank the plane's own database and every other agent"
+
+
+def test_a_refused_priority_is_logged_not_raised_and_off_writes_nothing(tmp_path: Path) -> None:
+    assert raise_plane_priority(-10, tmp_path / "no such folder" / "autogroup") is False
+    untouched = tmp_path / "autogroup"
+    untouched.write_text("/autogroup-1 nice 0\n")
+    assert raise_plane_priority(None, untouched) is False
+    assert untouched.read_text() == "/autogroup-1 nice 0\n"
+
+
+def test_the_plane_nice_setting_takes_a_nice_value_or_off() -> None:
+    assert Settings.from_env({}).plane_nice == -10
+    assert Settings.from_env({"COVEY_PLANE_NICE": "off"}).plane_nice is None
+    assert Settings.from_env({"COVEY_PLANE_NICE": "-3"}).plane_nice == -3
+    for bad in ("-30", "high", "20"):
+        with pytest.raises(ConfigError, match="from -20 to 19, or 'off'"):
+            Settings.from_env({"COVEY_PLANE_NICE": bad})
 
 
 def test_a_daemon_whose_kill_is_confirmed_steps_aside_for_the_others() -> None:
