@@ -56,6 +56,28 @@ LEVELS = (Level("no load", 0), Level("10 users", 10), Level("50 users", 50),
           Level("100 users", 100), Level("100 users, 2 workers", 100, processes=2))
 
 
+def levels(text: str) -> tuple[Level, ...]:
+    """`--levels`: operators per level, comma-separated, `N:W` for N over W Locust worker
+    processes; the first is the unloaded baseline, 0 (issue 20's "200 reads in flight":
+    `0,200`)."""
+    chosen: list[Level] = []
+    for item in text.split(","):
+        users, _, workers = item.strip().partition(":")
+        try:
+            level = Level("", int(users), int(workers or 1))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: operators as a number, or N:W for "
+                                             "N over W worker processes") from None
+        if level.users < 0 or level.processes < 1:
+            raise argparse.ArgumentTypeError(f"{item!r}: no fewer than 0 operators, 1 worker")
+        name = "no load" if level.users == 0 else f"{level.users} users" + (
+            f", {level.processes} workers" if level.processes > 1 else "")
+        chosen.append(Level(name, level.users, level.processes))
+    if not chosen or chosen[0].users != 0:
+        raise argparse.ArgumentTypeError("the first level is the unloaded baseline: 0")
+    return tuple(chosen)
+
+
 async def run(options: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "command": " ".join(["python -m benchmarks.kill_under_load", *sys.argv[1:]]),
@@ -64,11 +86,12 @@ async def run(options: argparse.Namespace) -> dict[str, Any]:
                                            "run_time": options.run_time,
                                            "rounds": options.rounds,
                                            "spawn_rate": options.spawn_rate,
+                                           "levels": [lv.name for lv in options.levels],
                                            "killer_pause_s": options.killer_pause},
         "levels": [], "rounds": []}
     report_dir = Path(options.report_dir)
     runs: dict[str, list[tuple[LoadResult, dict[str, dict[str, float]], float]]] = {
-        level.name: [] for level in LEVELS}
+        level.name: [] for level in options.levels}
     async with ProcessesStack(report_dir).up() as endpoints:
         fleet = await prepare_fleet(endpoints, options.agents)
         admin = await CoveyClient.signed_in(endpoints.url, endpoints.admin_email,
@@ -78,7 +101,7 @@ async def run(options: argparse.Namespace) -> dict[str, Any]:
             # Round after round of every level, so that a shared host's load, which drifts
             # over minutes, weighs on every level alike instead of on the last ones.
             for round_ in range(options.rounds):
-                for level in LEVELS:
+                for level in options.levels:
                     # Every level starts from the same steady state: all agents at work.
                     await all_working(admin, fleet.agent_ids, 120)
                     plan = LoadPlan(users=level.users, spawn_rate=options.spawn_rate,
@@ -98,7 +121,7 @@ async def run(options: argparse.Namespace) -> dict[str, Any]:
         finally:
             await admin.aclose()
     report["loadavg_at_end"] = load_average()
-    for level in LEVELS:
+    for level in options.levels:
         done = runs[level.name]
         samples = [s for r, _, _ in done for s in read_samples(Path(r.files["samples"]))]
         stats = [row_ for r, _, _ in done for row_ in read_stats(Path(r.files["csv"]))]
@@ -188,6 +211,9 @@ def main() -> None:
     parser.add_argument("--killer-pause", type=_pause, default=(0.2, 0.5),
                         help="the killer's pause between kills, MIN,MAX seconds")
     parser.add_argument("--spawn-rate", type=float, default=20)
+    parser.add_argument("--levels", type=levels, default=LEVELS,
+                        help="operators per level, comma-separated, N:W over W Locust "
+                             "workers; the first 0 (0,10,50,100,100:2)")
     parser.add_argument("--report-dir", default="reports/bench-load")
     parser.add_argument("--json", help="write every figure here")
     options = parser.parse_args()
