@@ -140,7 +140,8 @@ def make_cpu_group(mode: str = "auto", root: Path = CGROUP_ROOT) -> CpuGroup | N
 def raise_plane_priority(nice: int | None, autogroup: Path = AUTOGROUP) -> bool:
     """Give `covey serve`'s autogroup (its session: the plane, and whatever it starts without
     a session of its own) the nice value `nice`, and say so in the log. Returns whether it
-    was set. Sandboxes and Postgres's backends each start a session, so none inherits it.
+    was set. Sandboxes and Postgres's backends each start a session, so none inherits it; a
+    plane that does not lead its session (started from a shell) leaves the shell's alone.
 
     Linux weighs sessions against each other, not processes (autogroup scheduling): the
     plane got one share of the CPU among every busy session of the host. In the
@@ -151,6 +152,13 @@ def raise_plane_priority(nice: int | None, autogroup: Path = AUTOGROUP) -> bool:
     the kernel has no autogroups, the plane runs as it did and the log says why. A
     process's own nice value is left alone: sandboxes would inherit it."""
     if nice is None:
+        return False
+    if os.getsid(0) != os.getpid():
+        # Started from a terminal: its session, the shell's, is not the plane's to raise.
+        log.info("plane_cpu_priority_unchanged", nice=nice,
+                 reason="the plane does not lead its session (started from a shell?)",
+                 hint="start it in a session of its own (a service manager, setsid) to let "
+                      "it outrank the host's other sessions")
         return False
     try:
         autogroup.write_text(f"{nice}\n")

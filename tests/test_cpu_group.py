@@ -178,12 +178,27 @@ def test_the_plane_outranks_the_host_where_it_may_and_its_sandboxes_do_not_inher
         "outrank the plane's own database and every other agent"
 
 
-def test_a_refused_priority_is_logged_not_raised_and_off_writes_nothing(tmp_path: Path) -> None:
+def test_a_refused_priority_is_logged_not_raised_and_off_writes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "getsid", lambda _pid: os.getpid())  # as if it led its session
     assert raise_plane_priority(-10, tmp_path / "no such folder" / "autogroup") is False
     untouched = tmp_path / "autogroup"
     untouched.write_text("/autogroup-1 nice 0\n")
     assert raise_plane_priority(None, untouched) is False
     assert untouched.read_text() == "/autogroup-1 nice 0\n"
+
+
+def test_a_plane_started_from_a_shell_leaves_the_shell_session_alone(tmp_path: Path) -> None:
+    autogroup = tmp_path / "autogroup"
+    autogroup.write_text("/autogroup-1 nice 0\n")
+    # A child in this test's session, as a plane started from a shell is in the shell's.
+    probe = ("import os, sys; from covey.cpu_group import raise_plane_priority; "
+             "print(os.getsid(0) == os.getpid(), raise_plane_priority(-10, "
+             "__import__('pathlib').Path(sys.argv[1])))")
+    done = subprocess.run([sys.executable, "-c", probe, str(autogroup)], capture_output=True,
+                          text=True, timeout=60, check=True)
+    assert done.stdout.splitlines()[-1] == "False False", done.stdout
+    assert autogroup.read_text() == "/autogroup-1 nice 0\n"
 
 
 def test_the_plane_nice_setting_takes_a_nice_value_or_off() -> None:
