@@ -30,6 +30,7 @@ log = structlog.get_logger("covey.cpu_group")
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 AUTOGROUP = Path("/proc/self/autogroup")
+AUTOGROUP_ENABLED = Path("/proc/sys/kernel/sched_autogroup_enabled")
 PREFIX = "covey-sandboxes-"
 
 
@@ -62,6 +63,17 @@ class CpuGroup:
                             reason=str(exc))
                 return
             pending.extend(children(current))
+
+    def leave(self, pid: int) -> None:
+        """Move a sandbox's daemon back to the plane's share, alone: its agent was just
+        killed. Among twenty busy sandboxes in the group its daemon got a twentieth of the
+        group's one share, and read its `kill`, cut its tool and acknowledged in that; under
+        200 operators' load the answer's p99, which waits for that acknowledgement, was
+        three times the unloaded one. The tools it started stay in the group. Never fails
+        the kill: a pid gone or a move refused (cgroup v2 keeps processes out of a parent
+        that hands the controller down) leaves it where it was."""
+        with contextlib.suppress(OSError):
+            (self.path.parent / "cgroup.procs").write_text(f"{pid}\n")
 
     def remove(self) -> None:
         """Remove the group once the plane stops; only an empty group can go, and one that
@@ -137,36 +149,53 @@ def make_cpu_group(mode: str = "auto", root: Path = CGROUP_ROOT) -> CpuGroup | N
     return CpuGroup(group)
 
 
-def raise_plane_priority(nice: int | None, autogroup: Path = AUTOGROUP) -> bool:
+def autogroup_refusal(leads_session: bool, enabled: str, proc_cgroup: str) -> str | None:
+    """Why an autogroup's nice value would not weigh here (None: it would): only a process
+    that leads its session owns its autogroup, and the kernel applies autogroups only when
+    they are enabled and only to tasks in the root CPU cgroup (elsewhere the cgroup's
+    weight rules)."""
+    if not leads_session:
+        return "the plane does not lead its session (started from a shell?)"
+    if enabled.strip() != "1":
+        return "the kernel's autogroup scheduling is off (kernel.sched_autogroup_enabled)"
+    found = own_cgroup("cpu", proc_cgroup)
+    if found is not None and found[0] != "/":
+        return f"the plane runs in CPU cgroup {found[0]}, where autogroups do not apply"
+    return None
+
+
+def raise_plane_priority(nice: int | None, autogroup: Path = AUTOGROUP,
+                         enabled: Path = AUTOGROUP_ENABLED,
+                         proc_cgroup: Path = Path("/proc/self/cgroup")) -> bool:
     """Give `covey serve`'s autogroup (its session: the plane, and whatever it starts without
     a session of its own) the nice value `nice`, and say so in the log. Returns whether it
     was set. Sandboxes and Postgres's backends each start a session, so none inherits it; a
     plane that does not lead its session (started from a shell) leaves the shell's alone.
 
-    Linux weighs sessions against each other, not processes (autogroup scheduling): the
-    plane got one share of the CPU among every busy session of the host. In the
-    incident-load game day (20 busy agents, 64 operators' reads from Locust, on two cores),
-    the fleet kill's flag committed 115-190 ms after the operator's request in the runs
-    that failed, and its agents went on acting meanwhile; at nice -10 it was sent within
-    19-56 ms. Lowering a nice value takes root (CAP_SYS_NICE); where that is refused, or
-    the kernel has no autogroups, the plane runs as it did and the log says why. A
-    process's own nice value is left alone: sandboxes would inherit it."""
+    Linux weighs the sessions of the root CPU cgroup against each other, not processes
+    (autogroup scheduling): the plane got one share of the CPU among every busy session of
+    the host. In the incident-load game day (20 busy agents, 64 operators' reads from
+    Locust, on two cores), the fleet kill's flag committed 115-190 ms after the operator's
+    request in the runs that failed, and its agents went on acting meanwhile; at nice -10
+    it was sent within 19-56 ms. Lowering a nice value takes root (CAP_SYS_NICE); where
+    that is refused, or autogroups would not weigh (`autogroup_refusal`), the plane runs as
+    it did and the log says why. A process's own nice value is left alone: sandboxes would
+    inherit it."""
     if nice is None:
         return False
-    if os.getsid(0) != os.getpid():
-        # Started from a terminal: its session, the shell's, is not the plane's to raise.
-        log.info("plane_cpu_priority_unchanged", nice=nice,
-                 reason="the plane does not lead its session (started from a shell?)",
-                 hint="start it in a session of its own (a service manager, setsid) to let "
-                      "it outrank the host's other sessions")
-        return False
+    hint = ("run the control plane as root (or with CAP_SYS_NICE), in a session of its own "
+            "(a service manager, setsid) in the root CPU cgroup of a kernel with autogroups; "
+            "or weigh its cgroup above the sandboxes' (cpu.weight). COVEY_PLANE_NICE=off "
+            "stops the attempt")
     try:
-        autogroup.write_text(f"{nice}\n")
+        why = autogroup_refusal(os.getsid(0) == os.getpid(), enabled.read_text(),
+                                proc_cgroup.read_text())
+        if why is None:
+            autogroup.write_text(f"{nice}\n")
     except OSError as exc:
-        log.info("plane_cpu_priority_unchanged", nice=nice, reason=str(exc),
-                 hint="run the control plane as root (or with CAP_SYS_NICE) on a kernel with "
-                      "autogroup scheduling, or weigh its cgroup above the sandboxes' "
-                      "(cpu.weight); COVEY_PLANE_NICE=off stops the attempt")
+        why = str(exc)
+    if why is not None:
+        log.info("plane_cpu_priority_unchanged", nice=nice, reason=why, hint=hint)
         return False
     log.info("plane_cpu_priority", nice=nice, autogroup=str(autogroup))
     return True

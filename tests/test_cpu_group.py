@@ -15,12 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from covey.config import ConfigError, Settings
 from covey.coveyd import STEP_ASIDE_NICE, in_a_crowd
 from covey.cpu_group import (
+    AUTOGROUP_ENABLED,
     PREFIX,
     CpuGroup,
+    autogroup_refusal,
     children,
     make_cpu_group,
     own_cgroup,
@@ -107,6 +110,44 @@ async def test_a_sandbox_and_its_children_share_the_plane_s_cpu_group(tmp_path: 
     assert not group.path.exists(), "the plane's sandbox CPU group outlived its plane"
 
 
+async def test_a_killed_agent_s_daemon_leaves_the_group_and_its_tools_stay(
+        tmp_path: Path) -> None:
+    group = make_cpu_group("auto")
+    if group is None:
+        pytest.skip("this host lets no process make a CPU cgroup (not root, or read-only)")
+    script = "import subprocess, time; subprocess.Popen(['/bin/sleep', '30']); time.sleep(30)"
+    provider = ProcessProvider([sys.executable, "-c", script], tmp_path / "logs", group)
+    spec = SandboxSpec(sandbox_id=uuid.uuid4(), agent_id=uuid.uuid4(),
+                       session_id=uuid.uuid4(), home=tmp_path / "home", env={})
+    handle = await provider.start(spec)
+    try:
+        pid = int(handle)
+
+        async def child() -> int | None:
+            return next(iter(children(pid)), None)
+
+        tool = await eventually(child, 10, "the sandbox's daemon never started its child")
+        provider.hasten(handle)
+        assert not cpu_cgroup_of(pid).endswith(group.path.name), \
+            "the killed agent's daemon stayed among the busy sandboxes"
+        assert cpu_cgroup_of(tool).endswith(group.path.name), \
+            "the killed agent's tool left the sandboxes' CPU group with its daemon"
+    finally:
+        await provider.remove(handle)
+        await provider.wait(handle)
+        await provider.close()
+
+
+def test_leaving_writes_the_pid_to_the_parent_and_never_fails(tmp_path: Path) -> None:
+    group = CpuGroup(tmp_path / f"{PREFIX}1")
+    group.path.mkdir()
+    (tmp_path / "cgroup.procs").write_text("")
+    group.leave(4242)
+    assert (tmp_path / "cgroup.procs").read_text() == "4242\n"
+    refusing = CpuGroup(tmp_path / "gone" / f"{PREFIX}2")  # no such parent: refused
+    refusing.leave(4242)
+
+
 async def test_children_started_before_the_move_join_the_group_too() -> None:
     # The plane moves a sandbox just after starting it; on a loaded host its daemon had
     # already started a child by then, and that child stayed in the plane's share.
@@ -159,33 +200,64 @@ sandbox = subprocess.run([sys.executable, "-c", "print(open('/proc/self/autogrou
                          capture_output=True, text=True, start_new_session=True, check=True)
 print(sandbox.stdout.split()[-1])
 """
+# Whether this host lets a session leader lower its autogroup's nice, asked without covey.
+MAY_LOWER = ("import pathlib, sys\n"
+             "try:\n    pathlib.Path('/proc/self/autogroup').write_text('-1')\n"
+             "except OSError:\n    sys.exit(1)")
 
 
 @pytest.mark.skipif(not Path("/proc/self/autogroup").exists(),
                     reason="this kernel has no autogroup scheduling")
 def test_the_plane_outranks_the_host_where_it_may_and_its_sandboxes_do_not_inherit_it() -> None:
+    may = subprocess.run([sys.executable, "-c", MAY_LOWER], start_new_session=True,
+                         timeout=60).returncode == 0
+    weighs = autogroup_refusal(True, AUTOGROUP_ENABLED.read_text(),
+                               Path("/proc/self/cgroup").read_text()) is None
     # In a session of its own: the test's session keeps its priority.
     done = subprocess.run([sys.executable, "-c", PLANE_THEN_SANDBOX], capture_output=True,
                           text=True, timeout=60, check=True, start_new_session=True)
     raised, plane, sandbox = done.stdout.splitlines()[-3:]  # after the log's line
-    if os.geteuid() == 0:
-        assert (raised, plane) == ("True", "-5"), f"as root the plane's session was left at " \
-            f"nice {plane} (raised: {raised}); stderr: {done.stderr}"
+    if may and weighs:
+        assert (raised, plane) == ("True", "-5"), f"where it may, the plane left its " \
+            f"session at nice {plane} (raised: {raised}); {done.stdout}{done.stderr}"
     else:
-        assert (raised, plane) == ("False", "0"), \
-            f"without root the plane says it raised its priority ({raised}, nice {plane})"
+        assert (raised, plane) == ("False", "0"), f"where it may not ({may=}, {weighs=}), " \
+            f"the plane says it raised its priority ({raised}, nice {plane})"
     assert sandbox == "0", f"a sandbox inherited the plane's nice {sandbox}: it would " \
         "outrank the plane's own database and every other agent"
+
+
+def test_autogroups_weigh_only_for_a_session_leader_in_the_root_cpu_cgroup() -> None:
+    assert autogroup_refusal(True, "1\n", "1:cpu:/\n0::/\n") is None
+    assert autogroup_refusal(True, "1\n", "0::/\n") is None
+    assert "lead its session" in str(autogroup_refusal(False, "1\n", "1:cpu:/\n"))
+    assert "autogroup scheduling is off" in str(autogroup_refusal(True, "0\n", "1:cpu:/\n"))
+    assert "/system.slice/covey.service" in str(autogroup_refusal(True, "1\n", V2)), \
+        "a plane in a systemd slice of cgroup v2: its cgroup's weight rules, not autogroups"
+    assert "/machine/a" in str(autogroup_refusal(True, "1\n", V1))
 
 
 def test_a_refused_priority_is_logged_not_raised_and_off_writes_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "getsid", lambda _pid: os.getpid())  # as if it led its session
-    assert raise_plane_priority(-10, tmp_path / "no such folder" / "autogroup") is False
-    untouched = tmp_path / "autogroup"
-    untouched.write_text("/autogroup-1 nice 0\n")
-    assert raise_plane_priority(None, untouched) is False
-    assert untouched.read_text() == "/autogroup-1 nice 0\n"
+    enabled, root = tmp_path / "enabled", tmp_path / "cgroup"
+    enabled.write_text("1\n")
+    root.write_text("1:cpu:/\n")
+    refusing = tmp_path / "autogroup"
+    refusing.mkdir()  # written to, it fails as a refused write does: an OSError
+    with capture_logs() as logs:
+        assert raise_plane_priority(-10, refusing, enabled, root) is False
+    assert [e["event"] for e in logs] == ["plane_cpu_priority_unchanged"], logs
+    assert "Is a directory" in logs[0]["reason"], logs
+    written = tmp_path / "autogroup-file"
+    written.write_text("/autogroup-1 nice 0\n")
+    with capture_logs() as logs:
+        assert raise_plane_priority(-10, written, enabled, root) is True
+    assert written.read_text() == "-10\n"
+    assert [e["event"] for e in logs] == ["plane_cpu_priority"], logs
+    written.write_text("/autogroup-1 nice 0\n")
+    assert raise_plane_priority(None, written, enabled, root) is False
+    assert written.read_text() == "/autogroup-1 nice 0\n"
 
 
 def test_a_plane_started_from_a_shell_leaves_the_shell_session_alone(tmp_path: Path) -> None:

@@ -146,6 +146,59 @@ async def test_the_kills_requeue_survives_a_deadlock(world: World) -> None:
         == "evicted"
 
 
+async def test_the_kills_flag_survives_a_deadlock(world: World) -> None:
+    """The kill's flag opens its transaction with its locks in one round trip and rolls
+    back by itself (covey.switches._locked), not through asyncpg's transaction: a deadlock
+    inside it must be rolled back and the flag tried again, not leave the connection in a
+    failed transaction and the kill a 500. Provoked for real: another transaction holds
+    the agent's running session, the kill's statement waits for it while holding the
+    agent, and then the other transaction wants the agent."""
+    agent = await world.agent()
+    aid = uuid.UUID(agent["id"])
+    task = await world.task(agent["id"], "hold")
+
+    async def running() -> uuid.UUID | None:
+        session_id: uuid.UUID | None = await world.db.fetchval(
+            "SELECT id FROM sessions WHERE agent_id=$1 AND state='running'", aid)
+        return session_id
+    session_id = await eventually(running, 30, "the agent never started its session")
+
+    other = await asyncpg.connect(world.plane.database_url)
+    victim = "kill"
+    try:
+        held = other.transaction()
+        await held.start()
+        await other.execute("SELECT 1 FROM sessions WHERE id=$1 FOR UPDATE", session_id)
+        kill = asyncio.create_task(world.security.post(f"/api/v1/agents/{agent['id']}/kill"))
+
+        async def flag_waits() -> bool:
+            # The kill holds the agent (its BEGIN's lock) and waits for the session.
+            waiting = await world.db.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type='Lock'"
+                " AND query LIKE '%state=''cancelled''%' AND pid <> pg_backend_pid()")
+            return bool(waiting)
+        await eventually(flag_waits, 10, "the kill's flag never waited for the session")
+        # The cycle; Postgres fails one side after deadlock_timeout (1 s): the kill's,
+        # which waited first.
+        closing = asyncio.create_task(other.execute(
+            "SELECT 1 FROM agents WHERE id=$1 FOR NO KEY UPDATE", aid))
+        try:
+            await asyncio.wait_for(closing, 15)
+        except asyncpg.DeadlockDetectedError:
+            victim = "the other transaction"
+        await held.rollback()
+        r = await asyncio.wait_for(kill, 15)
+    finally:
+        await other.close()
+    assert r.status_code == 200, (
+        f"the kill failed on a deadlock (victim: {victim}): {r.status_code} {r.text}")
+    assert r.json()["sessions_cancelled"] == [str(session_id)], r.text
+    assert await world.db.fetchval("SELECT killed FROM agents WHERE id=$1", aid) is True
+    assert await world.task_state(task["id"]) == "open"
+    assert await world.db.fetchval("SELECT state FROM sessions WHERE id=$1", session_id) \
+        == "cancelled"
+
+
 async def test_reading_a_channel_that_is_gone_says_disconnect() -> None:
     """A unit of the daemon handler: once a channel is gone, every further read is a
     WebSocketDisconnect (what the handler treats as a lost daemon), never Starlette's
