@@ -24,6 +24,12 @@ from harness.nemesis.watchdog import STATE_ENV
 from harness.stack.postgres import create_database, database_of_its_own, postgres_server
 from harness.stack.waiting import eventually
 
+# The control planes these tests start (`covey serve` under a processes stack, often several
+# at once on a 2-core CI host) do not outrank the tests' own processes: a plane that
+# raised its priority (covey.cpu_group.raise_plane_priority) is what game days measure, not
+# what a test of the harness's Ctrl-C or halt needs beside it. Its own tests call it directly.
+os.environ.setdefault("COVEY_PLANE_NICE", "off")
+
 COVEYD = [sys.executable, "-m", "covey.coveyd"]
 
 
