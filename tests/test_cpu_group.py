@@ -77,26 +77,42 @@ def cpu_cgroup_of(pid: int) -> str:
     return found[0]
 
 
-async def test_a_sandbox_and_its_children_share_the_plane_s_cpu_group(tmp_path: Path) -> None:
+def the_cpu_group() -> CpuGroup:
     group = make_cpu_group("auto")
     if group is None:
         pytest.skip("this host lets no process make a CPU cgroup (not root, or read-only)")
-    # A "daemon" that starts a child and holds: both must be in the group.
+    return group
+
+
+async def sandbox_with_a_tool(tmp_path: Path, group: CpuGroup
+                              ) -> tuple[ProcessProvider, str, int]:
+    """A process sandbox in `group` whose "daemon" has started a child (its tool) and holds:
+    the provider, the sandbox's handle, the child's pid."""
     script = "import subprocess, time; subprocess.Popen(['/bin/sleep', '30']); time.sleep(30)"
     provider = ProcessProvider([sys.executable, "-c", script], tmp_path / "logs", group)
     spec = SandboxSpec(sandbox_id=uuid.uuid4(), agent_id=uuid.uuid4(),
                        session_id=uuid.uuid4(), home=tmp_path / "home", env={})
     handle = await provider.start(spec)
+
+    async def child() -> int | None:
+        return next(iter(children(int(handle))), None)
+
     try:
-        pid = int(handle)
-        assert cpu_cgroup_of(pid).endswith(group.path.name), \
+        return provider, handle, await eventually(
+            child, 10, "the sandbox's daemon never started its child")
+    except BaseException:
+        await provider.remove(handle)
+        await provider.wait(handle)
+        raise
+
+
+async def test_a_sandbox_and_its_children_share_the_plane_s_cpu_group(tmp_path: Path) -> None:
+    group = the_cpu_group()
+    provider, handle, tool = await sandbox_with_a_tool(tmp_path, group)
+    try:
+        assert cpu_cgroup_of(int(handle)).endswith(group.path.name), \
             "the sandbox's daemon is not in the sandboxes' CPU group"
-
-        async def child() -> int | None:
-            return next(iter(children(pid)), None)
-
-        first = await eventually(child, 10, "the sandbox's daemon never started its child")
-        assert cpu_cgroup_of(first).endswith(group.path.name), \
+        assert cpu_cgroup_of(tool).endswith(group.path.name), \
             "a process the daemon started left the sandboxes' CPU group"
     finally:
         await provider.remove(handle)
@@ -112,23 +128,11 @@ async def test_a_sandbox_and_its_children_share_the_plane_s_cpu_group(tmp_path: 
 
 async def test_a_killed_agent_s_daemon_leaves_the_group_and_its_tools_stay(
         tmp_path: Path) -> None:
-    group = make_cpu_group("auto")
-    if group is None:
-        pytest.skip("this host lets no process make a CPU cgroup (not root, or read-only)")
-    script = "import subprocess, time; subprocess.Popen(['/bin/sleep', '30']); time.sleep(30)"
-    provider = ProcessProvider([sys.executable, "-c", script], tmp_path / "logs", group)
-    spec = SandboxSpec(sandbox_id=uuid.uuid4(), agent_id=uuid.uuid4(),
-                       session_id=uuid.uuid4(), home=tmp_path / "home", env={})
-    handle = await provider.start(spec)
+    group = the_cpu_group()
+    provider, handle, tool = await sandbox_with_a_tool(tmp_path, group)
     try:
-        pid = int(handle)
-
-        async def child() -> int | None:
-            return next(iter(children(pid)), None)
-
-        tool = await eventually(child, 10, "the sandbox's daemon never started its child")
         provider.hasten(handle)
-        assert not cpu_cgroup_of(pid).endswith(group.path.name), \
+        assert not cpu_cgroup_of(int(handle)).endswith(group.path.name), \
             "the killed agent's daemon stayed among the busy sandboxes"
         assert cpu_cgroup_of(tool).endswith(group.path.name), \
             "the killed agent's tool left the sandboxes' CPU group with its daemon"

@@ -96,6 +96,38 @@ async def test_a_daemon_that_vanishes_without_a_close_is_lost_at_once(
     assert failures == [], [r.getMessage() for r in failures]
 
 
+async def kill_in_a_deadlock(world: World, agent_id: str, holds: tuple[str, uuid.UUID],
+                             waits_on: str, wants: tuple[str, uuid.UUID]) -> tuple[Any, str]:
+    """An agent kill caught in a real deadlock: another transaction runs `holds` (SQL, its
+    one argument), the kill waits for it (a statement of the kill's, `LIKE waits_on`, waits
+    on a lock) while holding a row of its own, and then the other transaction runs `wants`,
+    which waits for that row. Postgres fails one side after deadlock_timeout (1 s): the
+    kill's, which waited first. Returns the kill's answer and which side was failed."""
+    other = await asyncpg.connect(world.plane.database_url)
+    victim = "the kill"
+    try:
+        held = other.transaction()
+        await held.start()
+        await other.execute(*holds)
+        kill = asyncio.create_task(world.security.post(f"/api/v1/agents/{agent_id}/kill"))
+
+        async def kill_waits() -> bool:
+            waiting = await world.db.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type='Lock'"
+                " AND query LIKE $1 AND pid <> pg_backend_pid()", waits_on)
+            return bool(waiting)
+        await eventually(kill_waits, 10, f"the kill never waited on a lock in {waits_on}")
+        closing = asyncio.create_task(other.execute(*wants))
+        try:
+            await asyncio.wait_for(closing, 15)
+        except asyncpg.DeadlockDetectedError:
+            victim = "the other transaction"
+        await held.rollback()
+        return await asyncio.wait_for(kill, 15), victim
+    finally:
+        await other.close()
+
+
 async def test_the_kills_requeue_survives_a_deadlock(world: World) -> None:
     """The kill's second transaction (evict the parked sandbox, requeue the work) once had
     no retry: a deadlock that Postgres broke by failing it made the kill a 500 after the
@@ -113,33 +145,12 @@ async def test_the_kills_requeue_survives_a_deadlock(world: World) -> None:
         "INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin, state)"
         " VALUES ($1, $2, $3, 't', 'hold', 'api', 'in_progress')", task_id, world.org.id, aid)
 
-    other = await asyncpg.connect(world.plane.database_url)
-    try:
-        held = other.transaction()
-        await held.start()
-        await other.execute("SELECT 1 FROM backlog_tasks WHERE id=$1 FOR UPDATE", task_id)
-        kill = asyncio.create_task(world.security.post(f"/api/v1/agents/{agent['id']}/kill"))
-
-        async def requeue_waits() -> bool:
-            # The kill's transaction holds the evicted sandbox and waits for the task.
-            waiting = await world.db.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type='Lock'"
-                " AND query LIKE '%backlog_tasks%' AND pid <> pg_backend_pid()")
-            return bool(waiting)
-        await eventually(requeue_waits, 10, "the kill's requeue never waited for the task")
-        # Now the cycle: this waits for the sandbox the kill holds; Postgres fails one of
-        # the two after deadlock_timeout (1 s) — the kill's, which waited first.
-        closing = asyncio.create_task(other.execute(
-            "UPDATE sandboxes SET last_sync_at=now() WHERE id=$1", parked))
-        try:
-            await asyncio.wait_for(closing, 15)
-        except asyncpg.DeadlockDetectedError:
-            pass  # this side was the victim: the kill went on regardless
-        await held.rollback()
-        r = await asyncio.wait_for(kill, 15)
-    finally:
-        await other.close()
-    assert r.status_code == 200, f"the kill failed on a deadlock: {r.status_code} {r.text}"
+    # The kill's requeue holds the evicted sandbox and waits for the task.
+    r, victim = await kill_in_a_deadlock(
+        world, agent["id"], ("SELECT 1 FROM backlog_tasks WHERE id=$1 FOR UPDATE", task_id),
+        "%backlog_tasks%", ("UPDATE sandboxes SET last_sync_at=now() WHERE id=$1", parked))
+    assert r.status_code == 200, (
+        f"the kill failed on a deadlock (victim: {victim}): {r.status_code} {r.text}")
     assert r.json()["tasks_requeued"] == [str(task_id)], r.text
     assert await world.task_state(str(task_id)) == "open"
     assert await world.db.fetchval("SELECT state FROM sandboxes WHERE id=$1", parked) \
@@ -163,33 +174,10 @@ async def test_the_kills_flag_survives_a_deadlock(world: World) -> None:
         return session_id
     session_id = await eventually(running, 30, "the agent never started its session")
 
-    other = await asyncpg.connect(world.plane.database_url)
-    victim = "kill"
-    try:
-        held = other.transaction()
-        await held.start()
-        await other.execute("SELECT 1 FROM sessions WHERE id=$1 FOR UPDATE", session_id)
-        kill = asyncio.create_task(world.security.post(f"/api/v1/agents/{agent['id']}/kill"))
-
-        async def flag_waits() -> bool:
-            # The kill holds the agent (its BEGIN's lock) and waits for the session.
-            waiting = await world.db.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type='Lock'"
-                " AND query LIKE '%state=''cancelled''%' AND pid <> pg_backend_pid()")
-            return bool(waiting)
-        await eventually(flag_waits, 10, "the kill's flag never waited for the session")
-        # The cycle; Postgres fails one side after deadlock_timeout (1 s): the kill's,
-        # which waited first.
-        closing = asyncio.create_task(other.execute(
-            "SELECT 1 FROM agents WHERE id=$1 FOR NO KEY UPDATE", aid))
-        try:
-            await asyncio.wait_for(closing, 15)
-        except asyncpg.DeadlockDetectedError:
-            victim = "the other transaction"
-        await held.rollback()
-        r = await asyncio.wait_for(kill, 15)
-    finally:
-        await other.close()
+    # The kill's flag holds the agent (its BEGIN's lock) and waits for the session.
+    r, victim = await kill_in_a_deadlock(
+        world, agent["id"], ("SELECT 1 FROM sessions WHERE id=$1 FOR UPDATE", session_id),
+        "%state='cancelled'%", ("SELECT 1 FROM agents WHERE id=$1 FOR NO KEY UPDATE", aid))
     assert r.status_code == 200, (
         f"the kill failed on a deadlock (victim: {victim}): {r.status_code} {r.text}")
     assert r.json()["sessions_cancelled"] == [str(session_id)], r.text
