@@ -126,7 +126,15 @@ async def game_day_running(root: Path | None = None) -> AsyncIterator[None]:
 
 def stop_on_sigterm() -> None:
     """SIGTERM of the harness stops like Ctrl-C: the running game day is cancelled (asyncio's
-    runner does that on SIGINT), so its journal says `aborted` and its teardown heals."""
+    runner does that on SIGINT), so its journal says `aborted` and its teardown heals.
+
+    A harness started with SIGINT ignored (a background job of a script, nohup: the shell
+    ignores SIGINT for those, and the children inherit it) would ignore the SIGINT it sends
+    itself, and asyncio sets its Ctrl-C handler only over Python's default one: the halt
+    did nothing, and every halt and Ctrl-C test failed in a CI run started that way. Such a
+    harness takes Python's default back."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return
 

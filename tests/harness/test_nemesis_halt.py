@@ -67,11 +67,18 @@ async def sleeper() -> AsyncIterator[asyncio.subprocess.Process]:
         await child.wait()
 
 
-async def start_harness(sleeper: int, deadline_s: float, root: Path
+def ignoring_ctrl_c() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+async def start_harness(sleeper: int, deadline_s: float, root: Path,
+                        ctrl_c_ignored: bool = False
                         ) -> tuple[asyncio.subprocess.Process, dict[str, str]]:
+    """`ctrl_c_ignored`: started as a background job of a script is (SIGINT ignored)."""
     harness = await asyncio.create_subprocess_exec(
         sys.executable, "-c", HARNESS, str(sleeper), str(deadline_s), str(root), cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE, env={**os.environ, STATE_ENV: str(root)})
+        stdout=asyncio.subprocess.PIPE, env={**os.environ, STATE_ENV: str(root)},
+        preexec_fn=ignoring_ctrl_c if ctrl_c_ignored else None)
     assert harness.stdout is not None
     line = await asyncio.wait_for(harness.stdout.readline(), 60)
     assert line, "the harness died before injecting its faults"
@@ -122,9 +129,10 @@ async def test_a_sigkilled_harness_leaves_no_fault_standing_past_its_deadline(
     await eventually(unlisted, 10, "the healed pause is still listed as standing")
 
 
+@pytest.mark.parametrize("ctrl_c_ignored", [False, True], ids=["a shell", "a background job"])
 async def test_the_halt_heals_every_fault_at_once_and_stops_the_game_day(
-        sleeper: asyncio.subprocess.Process, tmp_path: Path) -> None:
-    harness, faults = await start_harness(sleeper.pid, 300, tmp_path)
+        sleeper: asyncio.subprocess.Process, tmp_path: Path, ctrl_c_ignored: bool) -> None:
+    harness, faults = await start_harness(sleeper.pid, 300, tmp_path, ctrl_c_ignored)
     try:
         pulled = halt.pull("drill: halt all", tmp_path)
         assert faults["pause"] in pulled.healed, f"the halt did not heal the pause: {pulled}"
