@@ -27,20 +27,15 @@ async def emit_status(conn: Connection, org_id: UUID, agent_id: UUID, status: st
 
 async def emit_statuses(conn: Connection, org_id: UUID, agent_ids: list[UUID], status: str
                         ) -> None:
-    """One NOTIFY per hundred agents (a payload holds at most 8000 bytes), all in one
-    statement: a fleet kill of a thousand once made ten round trips of its flag's
-    transaction out of them."""
-    payloads = [json.dumps({"org_id": str(org_id), "status": status,
-                            "agents": [str(a) for a in agent_ids[i:i + 100]]})
-                for i in range(0, len(agent_ids), 100)]
-    await notify_all(conn, "covey_events", payloads)
-
-
-async def notify_all(conn: Connection, channel: str, payloads: list[str]) -> None:
-    """NOTIFY each payload on `channel`, in one round trip."""
-    if payloads:
-        await conn.execute("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p",
-                           channel, payloads)
+    """Publish these agents' status change, a hundred per NOTIFY (a payload holds at most
+    8000 bytes), all in one statement: a fleet kill of a thousand once made ten round trips
+    of its flag's transaction out of them. The same payloads as `statuses_cte`, which it
+    uses: a switch's own statement sends them that way."""
+    if agent_ids:
+        await conn.execute(
+            f"WITH agents AS (SELECT unnest($2::uuid[]) AS id),"
+            f" {statuses_cte('$1', 'agents', status)} SELECT * FROM statuses",
+            org_id, agent_ids)
 
 
 async def lock_agent(conn: Connection, agent_id: UUID, *, write: bool

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 
+import asyncpg
 from prometheus_client.parser import text_string_to_metric_families
 
+from covey.rows import emit_statuses
 from covey.testing.plane import World
 
 
@@ -61,3 +64,26 @@ async def test_metrics_count_kills_and_time_their_stages(world: World) -> None:
     for stage in ("flag_committed", "kill_sent", "requeued"):
         assert grew("covey_kill_stage_seconds_count", scope="agent", stage=stage) == 2
     assert (await world.anonymous.get("/healthz")).json()["ok"] is True
+
+
+async def test_many_status_changes_go_a_hundred_per_notify_in_the_streams_shape(
+        world: World) -> None:
+    agents = [uuid.uuid4() for _ in range(150)]
+    heard: asyncio.Queue[str] = asyncio.Queue()
+    listener = await asyncpg.connect(world.plane.database_url)
+    try:
+        await listener.add_listener("covey_events", lambda *a: heard.put_nowait(str(a[-1])))
+        async with world.db.acquire() as conn:
+            await emit_statuses(conn, world.org.id, agents, "sleeping")
+            await emit_statuses(conn, world.org.id, [], "sleeping")  # none: no NOTIFY
+            await conn.execute("SELECT pg_notify('covey_events', 'end')")
+        payloads = [await asyncio.wait_for(heard.get(), 10) for _ in range(2)]
+        assert await asyncio.wait_for(heard.get(), 10) == "end", \
+            "an empty list of agents sent a NOTIFY"
+    finally:
+        await listener.close()
+    events = [json.loads(p) for p in payloads]
+    assert sorted(len(e["agents"]) for e in events) == [50, 100], events
+    assert all(e["org_id"] == str(world.org.id) and e["status"] == "sleeping"
+               for e in events), events
+    assert sorted(a for e in events for a in e["agents"]) == sorted(map(str, agents))
