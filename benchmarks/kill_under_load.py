@@ -62,17 +62,17 @@ def levels(text: str) -> tuple[Level, ...]:
     `0,200`)."""
     chosen: list[Level] = []
     for item in text.split(","):
-        users, _, workers = item.strip().partition(":")
+        users_text, _, workers_text = item.strip().partition(":")
         try:
-            level = Level("", int(users), int(workers or 1))
+            users, workers = int(users_text), int(workers_text or 1)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{item!r}: operators as a number, or N:W for "
                                              "N over W worker processes") from None
-        if level.users < 0 or level.processes < 1:
+        if users < 0 or workers < 1:
             raise argparse.ArgumentTypeError(f"{item!r}: no fewer than 0 operators, 1 worker")
-        name = "no load" if level.users == 0 else f"{level.users} users" + (
-            f", {level.processes} workers" if level.processes > 1 else "")
-        chosen.append(Level(name, level.users, level.processes))
+        name = "no load" if users == 0 else f"{users} users" + (
+            f", {workers} workers" if workers > 1 else "")
+        chosen.append(Level(name, users, workers))
     if not chosen or chosen[0].users != 0:
         raise argparse.ArgumentTypeError("the first level is the unloaded baseline: 0")
     return tuple(chosen)

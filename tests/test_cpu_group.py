@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -84,10 +85,11 @@ def the_cpu_group() -> CpuGroup:
     return group
 
 
+@contextlib.asynccontextmanager
 async def sandbox_with_a_tool(tmp_path: Path, group: CpuGroup
-                              ) -> tuple[ProcessProvider, str, int]:
+                              ) -> AsyncIterator[tuple[ProcessProvider, str, int]]:
     """A process sandbox in `group` whose "daemon" has started a child (its tool) and holds:
-    the provider, the sandbox's handle, the child's pid."""
+    the provider, the sandbox's handle, the child's pid; killed and reaped on the way out."""
     script = "import subprocess, time; subprocess.Popen(['/bin/sleep', '30']); time.sleep(30)"
     provider = ProcessProvider([sys.executable, "-c", script], tmp_path / "logs", group)
     spec = SandboxSpec(sandbox_id=uuid.uuid4(), agent_id=uuid.uuid4(),
@@ -98,25 +100,20 @@ async def sandbox_with_a_tool(tmp_path: Path, group: CpuGroup
         return next(iter(children(int(handle))), None)
 
     try:
-        return provider, handle, await eventually(
+        yield provider, handle, await eventually(
             child, 10, "the sandbox's daemon never started its child")
-    except BaseException:
+    finally:
         await provider.remove(handle)
         await provider.wait(handle)
-        raise
 
 
 async def test_a_sandbox_and_its_children_share_the_plane_s_cpu_group(tmp_path: Path) -> None:
     group = the_cpu_group()
-    provider, handle, tool = await sandbox_with_a_tool(tmp_path, group)
-    try:
+    async with sandbox_with_a_tool(tmp_path, group) as (provider, handle, tool):
         assert cpu_cgroup_of(int(handle)).endswith(group.path.name), \
             "the sandbox's daemon is not in the sandboxes' CPU group"
         assert cpu_cgroup_of(tool).endswith(group.path.name), \
             "a process the daemon started left the sandboxes' CPU group"
-    finally:
-        await provider.remove(handle)
-        await provider.wait(handle)
 
     async def emptied() -> bool | None:
         return not members(group.path) or None
@@ -129,35 +126,19 @@ async def test_a_sandbox_and_its_children_share_the_plane_s_cpu_group(tmp_path: 
 async def test_a_killed_agent_s_daemon_leaves_the_group_and_its_tools_stay(
         tmp_path: Path) -> None:
     group = the_cpu_group()
-    provider, handle, tool = await sandbox_with_a_tool(tmp_path, group)
-    try:
+    async with sandbox_with_a_tool(tmp_path, group) as (provider, handle, tool):
         provider.hasten(handle)
         assert not cpu_cgroup_of(int(handle)).endswith(group.path.name), \
             "the killed agent's daemon stayed among the busy sandboxes"
         assert cpu_cgroup_of(tool).endswith(group.path.name), \
             "the killed agent's tool left the sandboxes' CPU group with its daemon"
-    finally:
-        await provider.remove(handle)
-        await provider.wait(handle)
-        await provider.close()
-
-
-def test_leaving_writes_the_pid_to_the_parent_and_never_fails(tmp_path: Path) -> None:
-    group = CpuGroup(tmp_path / f"{PREFIX}1")
-    group.path.mkdir()
-    (tmp_path / "cgroup.procs").write_text("")
-    group.leave(4242)
-    assert (tmp_path / "cgroup.procs").read_text() == "4242\n"
-    refusing = CpuGroup(tmp_path / "gone" / f"{PREFIX}2")  # no such parent: refused
-    refusing.leave(4242)
+    await provider.close()
 
 
 async def test_children_started_before_the_move_join_the_group_too() -> None:
     # The plane moves a sandbox just after starting it; on a loaded host its daemon had
     # already started a child by then, and that child stayed in the plane's share.
-    group = make_cpu_group("auto")
-    if group is None:
-        pytest.skip("this host lets no process make a CPU cgroup (not root, or read-only)")
+    group = the_cpu_group()
     script = ("import subprocess, time; subprocess.Popen(['/bin/sh', '-c', "
               "'/bin/sleep 30 & wait']); time.sleep(30)")
     parent = await asyncio.create_subprocess_exec(sys.executable, "-c", script)
