@@ -64,17 +64,6 @@ class CpuGroup:
                 return
             pending.extend(children(current))
 
-    def leave(self, pid: int) -> None:
-        """Move a sandbox's daemon back to the plane's share, alone: its agent was just
-        killed. Among twenty busy sandboxes in the group its daemon got a twentieth of the
-        group's one share, and read its `kill`, cut its tool and acknowledged in that; under
-        200 operators' load the answer's p99, which waits for that acknowledgement, was
-        three times the unloaded one. The tools it started stay in the group. Never fails
-        the kill: a pid gone or a move refused (cgroup v2 keeps processes out of a parent
-        that hands the controller down) leaves it where it was."""
-        with contextlib.suppress(OSError):
-            (self.path.parent / "cgroup.procs").write_text(f"{pid}\n")
-
     def remove(self) -> None:
         """Remove the group once the plane stops; only an empty group can go, and one that
         still holds a sandbox is left for the next plane's `sweep` to remove."""

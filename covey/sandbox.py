@@ -64,11 +64,6 @@ class SandboxProvider(Protocol):
         """End the sandbox's daemon now, whatever it is doing."""
         ...
 
-    def hasten(self, handle: str) -> None:
-        """Its agent was just killed: let its daemon have the CPU to obey ahead of the
-        sandboxes at work, where the backend can (at once, without a wait)."""
-        ...
-
     async def close(self) -> None:
         """The control plane is going away: no sandbox of this provider outlives it."""
         ...
@@ -248,12 +243,6 @@ class ProcessProvider:
                     os.kill(pid, signal.SIGKILL)
             await asyncio.sleep(0.01)
 
-    def hasten(self, handle: str) -> None:
-        """Its agent was just killed: its daemon leaves the sandboxes' CPU group, to read
-        the kill and obey it ahead of the sandboxes still at work (CpuGroup.leave)."""
-        if self._cpu_group is not None and handle in self._procs:
-            self._cpu_group.leave(int(handle))
-
     async def destroy(self, handle: str) -> None:
         proc = self._procs.get(handle)
         if proc is None or proc.returncode is not None:
@@ -417,10 +406,6 @@ class DockerProvider:
                     container.remove(force=True)
 
         await asyncio.to_thread(sweep)
-
-    def hasten(self, handle: str) -> None:
-        """Nothing: each container already weighs its `cpu_shares`, and raising them is a
-        round trip to the engine, longer than the daemon takes to read its kill."""
 
     async def destroy(self, handle: str) -> None:
         def kill() -> None:
@@ -741,13 +726,6 @@ class Runner:
             "UPDATE sandboxes SET state='gone', ended_at=COALESCE(ended_at, now()),"
             " gone_at=COALESCE(gone_at, now()) WHERE id=$1", sandbox_id)
         await self._discard(sandbox_id, agent_id)
-
-    def hasten(self, sandbox_id: UUID) -> None:
-        """A kill of this sandbox's agent is about to be sent: its daemon gets the CPU to
-        obey it first, where the backend can (ProcessProvider.hasten)."""
-        handle = self._handles.get(sandbox_id)
-        if handle is not None:
-            self._provider.hasten(handle)
 
     def tear_down(self, sandbox_ids: list[UUID], told_to_stop: set[UUID]) -> None:
         """Make sure these sandboxes end. One whose daemon was told to stop gets the grace

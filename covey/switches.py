@@ -312,10 +312,6 @@ class Switches:
         connection: a few statements on it, whatever the fleet's size."""
         session_ids = [s["id"] for s in live]
         crowd = len(session_ids)
-        if crowd == 1 and self.runner is not None:
-            # One daemon to stop: it obeys ahead of the sandboxes at work. Not a crowd's:
-            # a thousand daemons out of their CPU group would starve the plane's answer.
-            self.runner.hasten(live[0]["sandbox_id"])
         delivered = await asyncio.gather(*(self.hub.send_kill(s, crowd) for s in session_ids))
         report.kill_delivered = [s for s, ok in zip(session_ids, delivered, strict=True) if ok]
         metrics.kill_stage_seconds.labels(scope, "kill_sent").observe(

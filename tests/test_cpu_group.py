@@ -123,28 +123,6 @@ async def test_a_sandbox_and_its_children_share_the_plane_s_cpu_group(tmp_path: 
     assert not group.path.exists(), "the plane's sandbox CPU group outlived its plane"
 
 
-async def test_a_killed_agent_s_daemon_leaves_the_group_and_its_tools_stay(
-        tmp_path: Path) -> None:
-    group = the_cpu_group()
-    async with sandbox_with_a_tool(tmp_path, group) as (provider, handle, tool):
-        provider.hasten(handle)
-        assert not cpu_cgroup_of(int(handle)).endswith(group.path.name), \
-            "the killed agent's daemon stayed among the busy sandboxes"
-        assert cpu_cgroup_of(tool).endswith(group.path.name), \
-            "the killed agent's tool left the sandboxes' CPU group with its daemon"
-    await provider.close()
-
-
-def test_leaving_writes_the_pid_to_the_parent_and_never_fails(tmp_path: Path) -> None:
-    group = CpuGroup(tmp_path / f"{PREFIX}1")
-    group.path.mkdir()
-    (tmp_path / "cgroup.procs").write_text("")
-    group.leave(4242)
-    assert (tmp_path / "cgroup.procs").read_text() == "4242\n"
-    refusing = CpuGroup(tmp_path / "gone" / f"{PREFIX}2")  # no such parent: refused
-    refusing.leave(4242)
-
-
 async def test_children_started_before_the_move_join_the_group_too() -> None:
     # The plane moves a sandbox just after starting it; on a loaded host its daemon had
     # already started a child by then, and that child stayed in the plane's share.
