@@ -14,7 +14,6 @@ top of covey.orchestrator.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -133,13 +132,30 @@ class Switches:
 
 
     async def _switch(self, conn: Connection, body: Callable[[Connection], Awaitable[T]],
-                      scope: str, started: float, locks: str | None = None) -> T:
-        """Run a switch's flag transaction (opened with `locks`, see `_retried`); time its
-        commit."""
-        result = await _retried(conn, body, scope, "flag", locks=locks)
+                      scope: str, started: float, statement: bool = False) -> T:
+        """Run a switch's flag transaction (see `_retried`); time its commit."""
+        result = await _retried(conn, body, scope, "flag", statement=statement)
         metrics.kill_stage_seconds.labels(scope, "flag_committed").observe(
             time.perf_counter() - started)
         return result
+
+    async def _flag(self, conn: Connection, scope: str, started: float, locks: list[str],
+                    statement: str, args: tuple[Any, ...]) -> list[asyncpg.Record]:
+        """A kill's flag in one round trip, committed by itself (migration 0023,
+        `covey_switch_flag`): `locks` taken in order, then `statement` on a snapshot taken
+        under them. Both see `args` as $1..$6 (uuid, uuid, uuid, text, text, text); the
+        statement's rows are (what, id, agent_id, sandbox_id, flag, origin, actor).
+
+        It was three (BEGIN with the locks, the statement, COMMIT), and before that eleven:
+        under incident load each waited its turn on the plane's busy event loop and a busy
+        database, and the fleet kill's eleven took 115-190 ms from the request to the
+        commit in the incident-load game day while its agents went on acting. On a quiet
+        host the three were most of a single kill's time to its daemon."""
+        async def flag(conn: Connection) -> list[asyncpg.Record]:
+            return await conn.fetch(
+                "SELECT * FROM covey_switch_flag($1::text[], $2, $3, $4, $5, $6, $7, $8)",
+                locks, statement, *args)
+        return await self._switch(conn, flag, scope, started, statement=True)
 
     async def kill_agent(self, org_id: UUID, agent_id: UUID, actor_id: UUID | None,
                          origin: str = "agent", started: float | None = None,
@@ -148,10 +164,16 @@ class Switches:
         `started` is when the request arrived (perf_counter), for the stage metrics."""
         started = time.perf_counter() if started is None else started
 
-        async def flag(conn: Connection) -> tuple[bool, str | None, list[asyncpg.Record]] | None:
-            # One statement after the lock, which `_retried` takes with its BEGIN: read under
-            # the lock, so that it sees a session a wake committed while the kill waited.
-            rows = await conn.fetch(
+        # One connection for both of the kill's transactions, held between them: a kill
+        # must not wait for a second pool connection while it holds one (a hundred kills
+        # at once emptied the pool that way), nor queue for its requeue behind the
+        # statements of the very exits it caused (a fleet kill causes hundreds at once).
+        async with self.switch_pool.acquire() as conn:
+            # The agent's row locked, then one statement on a snapshot taken under the
+            # lock, so that it sees a session a wake committed while the kill waited.
+            rows = await self._flag(
+                conn, "agent", started,
+                ["SELECT id FROM agents WHERE id=$1 AND org_id=$2 FOR NO KEY UPDATE"],
                 f"""
                 WITH prev AS (
                     SELECT id, killed, kill_origin FROM agents WHERE id=$1 AND org_id=$2
@@ -161,48 +183,35 @@ class Switches:
                            -- An agent's own kill outranks the fleet's: fleet resume must
                            -- leave an agent that someone stopped on purpose stopped.
                            kill_origin=CASE WHEN NOT prev.killed OR prev.kill_origin='fleet'
-                                            THEN $3 ELSE prev.kill_origin END
+                                            THEN $4 ELSE prev.kill_origin END
                     FROM prev WHERE a.id=prev.id
                 ), {cancelled_live_ctes("a.id IN (SELECT id FROM prev)")}, logged AS (
                     INSERT INTO audit_log (org_id, actor_id, action, target, detail)
-                    SELECT $2, $4, 'agent.kill', $1::uuid::text,
-                           jsonb_build_object('origin', $3::text, 'reason', $5::text)
-                    FROM prev WHERE NOT prev.killed OR prev.kill_origin IS DISTINCT FROM $3
+                    SELECT $2, $3, 'agent.kill', $1::uuid::text,
+                           jsonb_build_object('origin', $4, 'reason', $5)
+                    FROM prev WHERE NOT prev.killed OR prev.kill_origin IS DISTINCT FROM $4
                     RETURNING 1
                 ), told AS (
                     SELECT pg_notify('covey_events', $6) FROM logged
                 )
-                SELECT 'live' AS what, id, agent_id, sandbox_id, NULL::boolean AS killed,
-                       NULL::text AS origin, NULL::text AS actor
+                SELECT 'live', id, agent_id, sandbox_id, NULL::boolean, NULL::text, NULL::text
                 FROM live
                 UNION ALL
                 SELECT 'agent', id, NULL, NULL, killed, kill_origin,
-                       (SELECT email FROM humans WHERE id=$4)
+                       (SELECT email FROM humans WHERE id=$3)
                 FROM prev, (SELECT count(*) FROM told) t, announced
                 """,
-                agent_id, org_id, origin, actor_id, reason,
-                status_event(org_id, agent_id, "killed")[1])
+                (agent_id, org_id, actor_id, origin, reason,
+                 status_event(org_id, agent_id, "killed")[1]))
             agent = next((r for r in rows if r["what"] == "agent"), None)
             if agent is None:
                 return None
-            if not agent["killed"] or agent["origin"] != origin:
+            was_killed, was_origin = bool(agent["flag"]), agent["origin"]
+            changed = not was_killed or was_origin != origin
+            if changed:
                 log_audit("agent.kill", agent["actor"], org_id, str(agent_id),
                           {"origin": origin, "reason": reason})
-            return bool(agent["killed"]), agent["origin"], [r for r in rows
-                                                            if r["what"] == "live"]
-
-        # One connection for both of the kill's transactions, held between them: a kill
-        # must not wait for a second pool connection while it holds one (a hundred kills
-        # at once emptied the pool that way), nor queue for its requeue behind the
-        # statements of the very exits it caused (a fleet kill causes hundreds at once).
-        async with self.switch_pool.acquire() as conn:
-            done = await self._switch(conn, flag, "agent", started, locks=(
-                f"SELECT id FROM agents WHERE id={uuid_literal(agent_id)}"
-                f" AND org_id={uuid_literal(org_id)} FOR NO KEY UPDATE"))
-            if done is None:
-                return None
-            was_killed, was_origin, live = done
-            changed = not was_killed or was_origin != origin
+            live = [r for r in rows if r["what"] == "live"]
             report = KillReport(already_killed=was_killed, agents=[agent_id])
             evicted = await self._stop_sessions(conn, "agent", live,
                                                 [agent_id] if changed else [], started, report,
@@ -217,10 +226,13 @@ class Switches:
         """DESIGN §2.3 line 2: the org flag, then every agent's kill, in one commit."""
         started = time.perf_counter() if started is None else started
 
-        async def flag(conn: Connection) -> tuple[bool, list[UUID], list[asyncpg.Record]]:
+        async with self.switch_pool.acquire() as conn:  # one connection, as in kill_agent
             # One statement after the locks, as in kill_agent: every agent's, then the
-            # organisation's (the one lock order), taken by `_retried` with its BEGIN.
-            rows = await conn.fetch(
+            # organisation's (the one lock order).
+            rows = await self._flag(
+                conn, "fleet", started,
+                ["SELECT id FROM agents WHERE org_id=$1 ORDER BY id FOR NO KEY UPDATE",
+                 "SELECT id FROM organizations WHERE id=$1 FOR NO KEY UPDATE"],
                 f"""
                 WITH prev AS (
                     SELECT fleet_killed FROM organizations WHERE id=$1
@@ -229,7 +241,7 @@ class Switches:
                            fleet_killed_at=COALESCE(fleet_killed_at, now()),
                            fleet_killed_by=COALESCE(fleet_killed_by, $2),
                            fleet_killed_reason=CASE WHEN fleet_killed THEN fleet_killed_reason
-                                                    ELSE $3 END
+                                                    ELSE $4 END
                     WHERE id=$1
                 ), newly AS (
                     UPDATE agents SET killed=true, kill_origin='fleet', status='killed',
@@ -237,7 +249,7 @@ class Switches:
                     WHERE org_id=$1 AND NOT killed RETURNING id
                 ), {cancelled_live_ctes("a.org_id=$1")}, told AS (
                     INSERT INTO notifications (org_id, class, kind, title, link, recipients)
-                    SELECT $1, 'cost', 'fleet_killed', $4, '/administration',
+                    SELECT $1, 'cost', 'fleet_killed', $5, '/administration',
                            (SELECT COALESCE(array_agg(id), '{{}}') FROM humans
                             WHERE org_id=$1 AND role IN ('org_admin','controlling'))
                     FROM prev WHERE NOT prev.fleet_killed
@@ -245,32 +257,24 @@ class Switches:
                     INSERT INTO audit_log (org_id, actor_id, action, target, detail)
                     SELECT $1, $2, 'fleet.kill', $1::uuid::text,
                            jsonb_build_object('agents', (SELECT count(*) FROM newly),
-                                              'reason', $3::text)
+                                              'reason', $4)
                     FROM prev WHERE NOT prev.fleet_killed
                 ), {statuses_cte("$1", "newly", "killed")}
-                SELECT 'live' AS what, id, agent_id, sandbox_id, NULL::boolean AS was,
-                       NULL::text AS actor
+                SELECT 'live', id, agent_id, sandbox_id, NULL::boolean, NULL::text, NULL::text
                 FROM live
-                UNION ALL SELECT 'newly', id, NULL, NULL, NULL, NULL FROM newly
-                UNION ALL SELECT 'org', NULL, NULL, NULL, fleet_killed,
+                UNION ALL SELECT 'newly', id, NULL, NULL, NULL, NULL, NULL FROM newly
+                UNION ALL SELECT 'org', NULL, NULL, NULL, fleet_killed, NULL,
                                  (SELECT email FROM humans WHERE id=$2)
                 FROM prev, announced, statuses
                 """,
-                org_id, actor_id, reason, FLEET_KILLED_TITLE)
+                (org_id, actor_id, None, reason, FLEET_KILLED_TITLE, None))
             org = next((r for r in rows if r["what"] == "org"), None)
-            was = bool(org is not None and org["was"])
-            newly = [r["id"] for r in rows if r["what"] == "newly"]
+            was = bool(org is not None and org["flag"])
+            agents = [r["id"] for r in rows if r["what"] == "newly"]
             if org is not None and not was:  # no organisation row: nothing was written
                 log_audit("fleet.kill", org["actor"], org_id, str(org_id),
-                          {"agents": len(newly), "reason": reason})
-            return was, newly, [r for r in rows if r["what"] == "live"]
-
-        async with self.switch_pool.acquire() as conn:  # one connection, as in kill_agent
-            was, agents, live = await self._switch(conn, flag, "fleet", started, locks=(
-                f"SELECT id FROM agents WHERE org_id={uuid_literal(org_id)}"
-                " ORDER BY id FOR NO KEY UPDATE;"
-                f" SELECT id FROM organizations WHERE id={uuid_literal(org_id)}"
-                " FOR NO KEY UPDATE"))
+                          {"agents": len(agents), "reason": reason})
+            live = [r for r in rows if r["what"] == "live"]
             report = KillReport(already_killed=was, agents=agents)
             evicted = await self._stop_sessions(
                 conn, "fleet", live, agents, started, report,
@@ -657,35 +661,10 @@ class Switches:
         return cleared is not None
 
 
-def uuid_literal(value: UUID) -> str:
-    """A UUID as an SQL literal, for the few statements sent without parameters (see
-    `_locked`): its canonical text is hex digits and dashes, nothing to quote."""
-    return f"'{UUID(str(value))}'::uuid"
-
-
-async def _locked(conn: Connection, locks: str, body: Callable[[Connection], Awaitable[T]]
-                  ) -> T:
-    """`body` in a transaction opened with its locks in the same round trip: `locks` is
-    sent with the BEGIN as one simple query, which takes no parameters (hence
-    `uuid_literal`). Under incident load every round trip of a kill's flag waits its turn
-    on the plane's busy event loop and a busy database: the fleet kill's eleven took
-    115-190 ms from the request to the commit in the incident-load game day, while its
-    agents went on acting."""
-    try:
-        await conn.execute(f"BEGIN; {locks}")
-        result = await body(conn)
-    except BaseException:
-        with contextlib.suppress(Exception):  # a broken connection: the pool ends it
-            await conn.execute("ROLLBACK")
-        raise
-    await conn.execute("COMMIT")
-    return result
-
-
 async def _retried(conn: Connection, body: Callable[[Connection], Awaitable[T]], scope: str,
-                   step: str, statement: bool = False, locks: str | None = None) -> T:
+                   step: str, statement: bool = False) -> T:
     """Run `body` in a transaction on `conn` (`statement`: its one statement, atomic by
-    itself; `locks`: opened with these, see `_locked`), again when Postgres breaks a
+    itself), again when Postgres breaks a
     deadlock (or a serialization conflict) by failing it: an emergency stop must not fail
     because a wake, a sweep or a daemon's report held a row it needed. Each attempt starts
     from scratch."""
@@ -693,8 +672,6 @@ async def _retried(conn: Connection, body: Callable[[Connection], Awaitable[T]],
         try:
             if statement:  # one statement: atomic by itself, no BEGIN and COMMIT to wait for
                 return await body(conn)
-            if locks is not None:
-                return await _locked(conn, locks, body)
             async with conn.transaction():
                 return await body(conn)
         except asyncpg.InterfaceError as exc:

@@ -158,11 +158,10 @@ async def test_the_kills_requeue_survives_a_deadlock(world: World) -> None:
 
 
 async def test_the_kills_flag_survives_a_deadlock(world: World) -> None:
-    """The kill's flag opens its transaction with its locks in one round trip and rolls
-    back by itself (covey.switches._locked), not through asyncpg's transaction: a deadlock
-    inside it must be rolled back and the flag tried again, not leave the connection in a
-    failed transaction and the kill a 500. Provoked for real: another transaction holds
-    the agent's running session, the kill's statement waits for it while holding the
+    """The kill's flag is one call that takes its locks and runs its statement
+    (covey.switches.Switches._flag): a deadlock inside it must fail that call only, and the
+    flag be tried again, not the kill answer a 500. Provoked for real: another transaction
+    holds the agent's running session, the kill's statement waits for it while holding the
     agent, and then the other transaction wants the agent."""
     agent = await world.agent()
     aid = uuid.UUID(agent["id"])
@@ -177,7 +176,7 @@ async def test_the_kills_flag_survives_a_deadlock(world: World) -> None:
     # The kill's flag holds the agent (its BEGIN's lock) and waits for the session.
     r, victim = await kill_in_a_deadlock(
         world, agent["id"], ("SELECT 1 FROM sessions WHERE id=$1 FOR UPDATE", session_id),
-        "%state='cancelled'%", ("SELECT 1 FROM agents WHERE id=$1 FOR NO KEY UPDATE", aid))
+        "%covey_switch_flag%", ("SELECT 1 FROM agents WHERE id=$1 FOR NO KEY UPDATE", aid))
     assert r.status_code == 200, (
         f"the kill failed on a deadlock (victim: {victim}): {r.status_code} {r.text}")
     assert r.json()["sessions_cancelled"] == [str(session_id)], r.text
@@ -185,6 +184,52 @@ async def test_the_kills_flag_survives_a_deadlock(world: World) -> None:
     assert await world.task_state(task["id"]) == "open"
     assert await world.db.fetchval("SELECT state FROM sessions WHERE id=$1", session_id) \
         == "cancelled"
+
+
+@pytest.mark.parametrize("switch", ["agent", "fleet"])
+async def test_a_session_a_wake_commits_while_the_kill_waits_is_cancelled(
+        world: World, switch: str) -> None:
+    """The kill's statement reads the live sessions on a snapshot taken once its locks are
+    held, not when it was sent: a wake that holds the agent (as every wake does, until its
+    session is committed) and commits a session while the kill waits for it must see that
+    session cancelled by the kill, or the agent runs on, flagged killed and never told. One
+    plain statement that waited for the lock would read the sessions from before the wait."""
+    agent = await world.agent()
+    aid = uuid.UUID(agent["id"])
+    sandbox_id, session_id = uuid.uuid4(), uuid.uuid4()
+    wake = await asyncpg.connect(world.plane.database_url)
+    try:  # closing the wake's connection rolls back whatever it has not committed
+        held = wake.transaction()
+        await held.start()
+        await wake.execute(
+            "SELECT 1 FROM agents a JOIN organizations o ON o.id=a.org_id WHERE a.id=$1"
+            " FOR NO KEY UPDATE OF a FOR SHARE OF o", aid)
+        await wake.execute(
+            "INSERT INTO sandboxes (id, agent_id, backend, node) VALUES ($1, $2, 'process',"
+            " 'a wake elsewhere')", sandbox_id, aid)
+        await wake.execute(  # seen an hour ago: no replica holds it, none to wait for
+            "INSERT INTO sessions (id, agent_id, sandbox_id, node, state, last_seen_at)"
+            " VALUES ($1, $2, $3, 'a wake elsewhere', 'running', now() - interval '1 hour')",
+            session_id, aid, sandbox_id)
+        path = f"/api/v1/agents/{aid}/kill" if switch == "agent" else "/api/v1/fleet/kill"
+        kill = asyncio.create_task(world.security.post(path))
+
+        async def kill_waits() -> bool:
+            waiting = await world.db.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type='Lock'"
+                " AND query LIKE '%covey_switch_flag%'")
+            return bool(waiting)
+        await eventually(kill_waits, 10, "the kill never waited for the wake's lock")
+        await held.commit()
+        r = await asyncio.wait_for(kill, 15)
+    finally:
+        await wake.close()
+    assert r.status_code == 200, r.text
+    assert r.json()["sessions_cancelled"] == [str(session_id)], (
+        f"the {switch} kill did not cancel the session a wake committed while it waited for "
+        f"the agent's lock: {r.text}")
+    state = await world.db.fetchval("SELECT state FROM sessions WHERE id=$1", session_id)
+    assert state == "cancelled", f"the wake's session is {state} after the {switch} kill"
 
 
 async def test_reading_a_channel_that_is_gone_says_disconnect() -> None:
