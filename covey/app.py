@@ -39,6 +39,7 @@ from covey.api.deps import AnyRole, Orch, credential_hash, credential_left_s
 from covey.api.openapi import document
 from covey.config import Settings
 from covey.cpu_group import make_cpu_group
+from covey.credentials import Credentials
 from covey.db import create_pool, migrate
 from covey.embedded_postgres import EmbeddedPostgres, attach, release
 from covey.events import EventStream
@@ -121,10 +122,12 @@ async def _every(seconds: float, name: str, step: Callable[[], Awaitable[None]])
 class Listener:
     """One dedicated connection LISTENing for wakes, kills and events; reconnects if lost."""
 
-    def __init__(self, url: str, orch: Orchestrator, events: EventStream) -> None:
+    def __init__(self, url: str, orch: Orchestrator, events: EventStream,
+                 credentials: Credentials) -> None:
         self.url = url
         self.orch = orch
         self.events = events
+        self.credentials = credentials
         self.ready = asyncio.Event()
 
     def _on_notify(self, _conn: Any, _pid: int, channel: str, payload: object) -> None:
@@ -142,7 +145,9 @@ class Listener:
             self.events.publish(payload)
         elif channel == "covey_credentials":  # a session ended or its human changed
             with contextlib.suppress(ValueError):
-                self.events.credentials_changed(UUID(payload))
+                human_id = UUID(payload)
+                self.credentials.changed(human_id)
+                self.events.credentials_changed(human_id)
 
     async def run(self) -> None:
         while True:
@@ -154,6 +159,9 @@ class Listener:
                     await conn.add_listener(channel, self._on_notify)
                 closed = asyncio.Event()
                 conn.add_termination_listener(lambda _c, ev=closed: ev.set())
+                # From here on every change to a credential is heard: callers may be
+                # remembered (covey.credentials), and are until the connection is lost.
+                self.credentials.listening(True)
                 self.ready.set()
                 while not closed.is_set():
                     try:
@@ -166,6 +174,7 @@ class Listener:
             except Exception as exc:
                 log.warning("listener connection lost; reconnecting", error=repr(exc))
             finally:
+                self.credentials.listening(False)
                 # Given up on, it is dropped: a link cut by a partition comes back when it
                 # heals, and a connection left open would then deliver every notification
                 # a second time beside its successor, one more per outage.
@@ -223,7 +232,7 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
         app.state.db_probe = DatabaseProbe(url)
         app.state.sign_in = SignIn(pool, settings)
         await app.state.sign_in.prepare()
-        listener = Listener(url, orch, events)
+        listener = Listener(url, orch, events, app.state.credentials)
         loops = [
             asyncio.create_task(listener.run()),
             asyncio.create_task(_every(settings.tick_ms / 1000, "tick", orch.tick)),
@@ -254,6 +263,7 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
                   description="Agent control plane with kill switches (covey-compatible).",
                   docs_url=None, redoc_url=None)
     errors.install(app)
+    app.state.credentials = Credentials()
     app.openapi = lambda: document(app, settings.heartbeat_min_s)  # type: ignore[method-assign]
     for router in (auth.router, agents.router, fleet.router, flags.router, trigger.router,
                    notifications.router, daemon.router, administration.router, audit.router,

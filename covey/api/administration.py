@@ -299,6 +299,7 @@ async def logout(request: Request) -> Response:
     who, _ = acting
     await request.app.state.orchestrator.pool.execute(
         "DELETE FROM web_sessions WHERE human_id=$1", who.human_id)
+    request.app.state.credentials.changed(who.human_id)  # as the API's logout does
     response = RedirectResponse("/administration", 303)
     sign_in_lane(request).clear_cookie(response, request)
     return response

@@ -38,6 +38,8 @@ async def logout(who: Signed, request: Request, response: Response, orch: Orch,
                  lane: SignInLane) -> None:
     """End every web session of the caller; their event streams end with them."""
     await orch.pool.execute("DELETE FROM web_sessions WHERE human_id=$1", who.human_id)
+    # Refused here from the next request on, not once the trigger's announcement is back.
+    request.app.state.credentials.changed(who.human_id)
     lane.clear_cookie(response, request)
 
 

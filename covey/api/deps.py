@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from typing import Annotated, Any
-from uuid import UUID
 
 from fastapi import Depends, Request
 
 from covey.admission import is_switch
+from covey.credentials import Credentials
+from covey.credentials import Principal as Principal  # where it is named, for routes
 from covey.errors import ApiError
 from covey.orchestrator import Orchestrator
 from covey.security import token_hash
@@ -23,14 +23,6 @@ MANAGE = ("org_admin", "agent_owner")
 SECURITY = ("org_admin", "security")
 KILLERS = ("org_admin", "agent_owner", "security")  # manage + security
 AUDIT_READERS = ("org_admin", "security", "auditor")
-
-
-@dataclass(frozen=True)
-class Principal:
-    human_id: UUID
-    org_id: UUID
-    email: str
-    role: str
 
 
 def arrived(request: Request) -> float:
@@ -94,24 +86,34 @@ async def current_principal(request: Request, orch: Orch) -> Principal:
     if not credential:
         raise ApiError(401, "Not signed in",
                        "POST /api/v1/auth/login, or send 'Authorization: Bearer <api token>'.")
+    # Remembered while every change to it can be heard (covey.credentials): a kill does not
+    # wait for its caller's look-up, nor a read add a statement to a busy database.
+    credentials: Credentials = request.app.state.credentials
+    hashed = token_hash(credential)
+    if (who := credentials.get(hashed)) is not None:
+        return who
+    epoch = credentials.epoch
     # A switch's caller is looked up on the switches' lane: a kill must not queue for a
     # connection behind the reads it is meant to cut through.
     pool = orch.switch_pool if is_switch(request.method, request.url.path) else orch.pool
     row = await pool.fetchrow(
         """
-        SELECT h.id, h.org_id, h.email, h.role FROM humans h
-        WHERE h.id = (SELECT human_id FROM web_sessions
-                      WHERE token_hash=$1 AND expires_at > now()
-                      UNION ALL
-                      SELECT human_id FROM api_tokens WHERE token_hash=$1
-                      LIMIT 1)
+        SELECT h.id, h.org_id, h.email, h.role, c.left_s
+        FROM (SELECT human_id, extract(epoch FROM expires_at - now())::float8 AS left_s
+              FROM web_sessions WHERE token_hash=$1 AND expires_at > now()
+              UNION ALL
+              SELECT human_id, NULL FROM api_tokens WHERE token_hash=$1
+              LIMIT 1) c
+        JOIN humans h ON h.id = c.human_id
         """,
-        token_hash(credential),
+        hashed,
     )
     if row is None:
         raise ApiError(401, "Session expired or token unknown",
                        "Sign in again, or create a new API token.")
-    return Principal(row["id"], row["org_id"], row["email"], row["role"])
+    who = Principal(row["id"], row["org_id"], row["email"], row["role"])
+    credentials.remember(hashed, who, row["left_s"], epoch)
+    return who
 
 
 # The role checks, so that the OpenAPI document can say which routes answer 403.

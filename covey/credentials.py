@@ -1,0 +1,85 @@
+"""Who a credential is, remembered between requests while this replica hears every change.
+
+Every request looked its caller up: one round trip to Postgres before anything else, a kill's
+too. On a quiet host that was a tenth of a single kill's time to its daemon
+(benchmarks.kill_latency), and under 200 operators' reads it was one more statement each
+for a busy database.
+
+A remembered caller is forgotten as soon as anything that could change the answer is
+announced. Whoever writes the row (a logout, a revoked token, a change of role, an operator
+with psql), a trigger announces the human on `covey_credentials` (migration 0013), and the
+listening connection (covey.app.Listener) hands it to `changed`. The writes this replica makes
+itself are forgotten at once by their routes as well (`changed` again), not when their own
+announcement comes back: a logout's next request must be refused on this replica, whatever
+the listener's delay.
+
+Nothing is remembered while the announcements cannot be heard: not before the listening
+connection is up, not after it is lost, and not a caller read while an announcement arrived
+or the connection changed (`epoch`), which could be a caller from before it. A connection
+that dies without a word is found by its 5 s ping; `TTL_S` bounds what it could miss. A
+session's own expiry bounds its entry too. Unknown credentials are never remembered.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from uuid import UUID
+
+# How long a caller is remembered at most, announcements heard or not.
+TTL_S = 10.0
+# Callers remembered at once at most; past it everything is forgotten and read again.
+LIMIT = 10_000
+
+
+@dataclass(frozen=True)
+class Principal:
+    human_id: UUID
+    org_id: UUID
+    email: str
+    role: str
+
+
+class Credentials:
+    """Credential hash -> the caller it was, while this replica hears every change."""
+
+    def __init__(self, ttl_s: float = TTL_S, limit: int = LIMIT) -> None:
+        self.ttl_s = ttl_s
+        self.limit = limit
+        self._callers: dict[str, tuple[Principal, float]] = {}
+        self._hearing = False
+        # Bumped by everything that makes a caller read before it stale.
+        self.epoch = 0
+
+    def listening(self, hearing: bool) -> None:
+        """The listening connection is up (True) or lost (False): forget everyone either
+        way (what was announced while it was down was not heard)."""
+        self._hearing = hearing
+        self.epoch += 1
+        self._callers.clear()
+
+    def changed(self, human_id: UUID) -> None:
+        """Something about this human's credentials changed: forget their callers."""
+        self.epoch += 1
+        for hashed in [h for h, (who, _) in self._callers.items() if who.human_id == human_id]:
+            del self._callers[hashed]
+
+    def get(self, hashed: str) -> Principal | None:
+        entry = self._callers.get(hashed)
+        if entry is None:
+            return None
+        who, until = entry
+        if time.monotonic() >= until:
+            del self._callers[hashed]
+            return None
+        return who
+
+    def remember(self, hashed: str, who: Principal, left_s: float | None, epoch: int) -> None:
+        """Remember `who`, read when `epoch` was current, for at most `left_s` (the session's
+        time left; None for an API token)."""
+        if not self._hearing or epoch != self.epoch:
+            return
+        if len(self._callers) >= self.limit:
+            self._callers.clear()
+        held_s = self.ttl_s if left_s is None else min(self.ttl_s, left_s)
+        self._callers[hashed] = (who, time.monotonic() + held_s)

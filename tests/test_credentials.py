@@ -1,0 +1,126 @@
+"""A caller remembered between requests (covey/credentials.py) is forgotten as soon as any
+change to it is announced, at once on the replica that made it, and nothing is remembered
+while announcements cannot be heard. Real control plane and Postgres for the first part;
+the last tests are units of the cache itself."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import pytest
+
+from covey.credentials import Credentials, Principal
+from covey.security import token_hash
+from covey.testing.plane import World
+from harness.stack.waiting import eventually
+
+PASSWORD = "correct horse battery"  # covey.testing.plane's humans
+# The trigger's announcement travels through Postgres to the listening connection: well
+# under this, even on a loaded host.
+ANNOUNCED_S = 5.0
+
+
+def remembered(world: World, credential: str) -> Principal | None:
+    credentials: Credentials = world.plane.app.state.credentials
+    return credentials.get(token_hash(credential))
+
+
+async def test_a_caller_is_looked_up_once_and_then_remembered(world: World) -> None:
+    token = world.security.headers["authorization"].split(" ", 1)[1]
+    assert (await world.security.get("/api/v1/auth/me")).status_code == 200
+    who = remembered(world, token)
+    assert who is not None and who.role == "security", (
+        "the caller of a request was not remembered: every request still looks it up")
+
+
+async def test_a_logout_is_refused_from_the_next_request_on(world: World) -> None:
+    """Not once the trigger's announcement comes back through Postgres: at once, on the
+    replica that logged out."""
+    async with httpx.AsyncClient(base_url=world.plane.url, timeout=30) as browser:
+        r = await browser.post("/api/v1/auth/login",
+                               json={"email": "security@acme.test", "password": PASSWORD})
+        assert r.status_code == 200, r.text
+        session = next(iter(browser.cookies.values()))
+        bearer = {"Authorization": f"Bearer {session}"}
+        assert (await browser.get("/api/v1/auth/me", headers=bearer)).status_code == 200
+        assert remembered(world, session) is not None
+        assert (await browser.post("/api/v1/auth/logout")).status_code == 204
+        r = await browser.get("/api/v1/auth/me", headers=bearer)
+        assert r.status_code == 401, (
+            f"a logged-out session was still served on its own replica: {r.status_code}")
+        r = await browser.post("/api/v1/fleet/kill", headers=bearer)
+        assert r.status_code == 401, f"a logged-out session pulled the switch: {r.status_code}"
+
+
+async def test_a_change_written_by_anyone_else_is_seen_once_announced(world: World) -> None:
+    """A role changed and a token revoked by another writer (here, SQL on the database, as
+    an operator with psql would) reach this replica through the trigger's announcement."""
+    assert (await world.security.post("/api/v1/fleet/kill")).status_code == 200
+    await world.db.execute("UPDATE humans SET role='auditor' WHERE id=$1",
+                           world.org.humans["security"])
+
+    async def demoted() -> bool:
+        return (await world.security.post("/api/v1/fleet/kill")).status_code == 403
+    await eventually(demoted, ANNOUNCED_S, "a human demoted to auditor could still pull the "
+                     "fleet switch: the remembered caller outlived the announcement")
+
+    assert (await world.controlling.get("/api/v1/auth/me")).status_code == 200
+    await world.db.execute("DELETE FROM api_tokens WHERE human_id=$1",
+                           world.org.humans["controlling"])
+
+    async def revoked() -> bool:
+        return (await world.controlling.get("/api/v1/auth/me")).status_code == 401
+    await eventually(revoked, ANNOUNCED_S, "a revoked API token was still accepted")
+
+
+def test_nothing_is_remembered_while_announcements_cannot_be_heard() -> None:
+    who = Principal(uuid.uuid4(), uuid.uuid4(), "a@acme.test", "security")
+    credentials = Credentials()
+    credentials.remember("h", who, None, credentials.epoch)
+    assert credentials.get("h") is None, "remembered before the listener was up"
+    credentials.listening(True)
+    credentials.remember("h", who, None, credentials.epoch)
+    assert credentials.get("h") == who
+    credentials.listening(False)
+    assert credentials.get("h") is None, "remembered callers outlived the lost listener"
+    credentials.remember("h", who, None, credentials.epoch)
+    assert credentials.get("h") is None, "remembered while the listener was down"
+
+
+def test_a_caller_read_across_an_announcement_is_not_remembered() -> None:
+    """The look-up may have read the row from before the change the announcement is about."""
+    who, other = (Principal(uuid.uuid4(), uuid.uuid4(), f"{n}@acme.test", "security")
+                  for n in ("a", "b"))
+    credentials = Credentials()
+    credentials.listening(True)
+    credentials.remember("b", other, None, credentials.epoch)
+    read_at = credentials.epoch
+    credentials.changed(who.human_id)
+    credentials.remember("a", who, None, read_at)
+    assert credentials.get("a") is None, "a caller read before an announcement was remembered"
+    assert credentials.get("b") == other, "an announcement about one human forgot another"
+    credentials.changed(other.human_id)
+    assert credentials.get("b") is None
+
+
+@pytest.mark.parametrize("left_s", [0.0, None])
+def test_a_caller_is_remembered_no_longer_than_its_session_or_the_ttl(
+        left_s: float | None) -> None:
+    who = Principal(uuid.uuid4(), uuid.uuid4(), "a@acme.test", "security")
+    credentials = Credentials(ttl_s=0.0 if left_s is None else 60.0)
+    credentials.listening(True)
+    credentials.remember("h", who, left_s, credentials.epoch)
+    time.sleep(0.001)
+    assert credentials.get("h") is None, "remembered past its session's expiry or the TTL"
+
+
+def test_past_the_limit_everyone_is_forgotten() -> None:
+    credentials = Credentials(limit=2)
+    credentials.listening(True)
+    people = [Principal(uuid.uuid4(), uuid.uuid4(), f"{n}@acme.test", "auditor")
+              for n in range(3)]
+    for n, who in enumerate(people):
+        credentials.remember(str(n), who, None, credentials.epoch)
+    assert [credentials.get(str(n)) for n in range(3)] == [None, None, people[2]]
