@@ -316,6 +316,8 @@ class Switches:
         connection: a few statements on it, whatever the fleet's size."""
         session_ids = [s["id"] for s in live]
         crowd = len(session_ids)
+        if self.runner is not None:
+            self.runner.hasten([s["sandbox_id"] for s in live])
         delivered = await asyncio.gather(*(self.hub.send_kill(s, crowd) for s in session_ids))
         report.kill_delivered = [s for s, ok in zip(session_ids, delivered, strict=True) if ok]
         metrics.kill_stage_seconds.labels(scope, "kill_sent").observe(

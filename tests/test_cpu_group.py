@@ -32,7 +32,7 @@ from covey.cpu_group import (
     sweep,
 )
 from covey.hub import DaemonHub, DaemonLink
-from covey.sandbox import ProcessProvider, SandboxSpec
+from covey.sandbox import HASTENED_NICE, ProcessProvider, SandboxSpec
 from harness.stack.waiting import eventually
 
 V1 = """12:cpu,cpuacct:/machine/a
@@ -121,6 +121,20 @@ async def test_a_sandbox_and_its_children_share_the_plane_s_cpu_group(tmp_path: 
     await eventually(emptied, 10, "killed sandboxes stayed in the CPU group")
     await provider.close()
     assert not group.path.exists(), "the plane's sandbox CPU group outlived its plane"
+
+
+async def test_a_killed_agent_s_daemon_is_hastened_and_its_tools_are_not(
+        tmp_path: Path) -> None:
+    group = the_cpu_group()
+    async with sandbox_with_a_tool(tmp_path, group) as (provider, handle, tool):
+        provider.hasten([handle])
+        assert os.getpriority(os.PRIO_PROCESS, int(handle)) == HASTENED_NICE, \
+            "the killed agent's daemon kept the priority of the sandboxes at work"
+        assert os.getpriority(os.PRIO_PROCESS, tool) == os.getpriority(os.PRIO_PROCESS, 0), \
+            "the killed agent's tool was hastened with its daemon"
+        assert cpu_cgroup_of(int(handle)).endswith(group.path.name), \
+            "the hastened daemon left the sandboxes' CPU group"
+    await provider.close()
 
 
 async def test_children_started_before_the_move_join_the_group_too() -> None:
