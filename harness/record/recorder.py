@@ -111,13 +111,19 @@ class Recorder:
         self.history.observe(OBSERVER, f, value, time_ns=time_ns)
 
     async def read_tasks(self) -> dict[str, dict[str, Any]]:
-        """Every task of every agent, recorded as task_state observations."""
+        """Every task of every agent, recorded as task_state observations, each at the time
+        its read was sent: the state it shows held at some moment after that, not
+        necessarily by the time the answer came. Stamped on arrival, a read sent just
+        before a kill's requeue committed and answered just after the kill's own answer
+        read as a task still in progress after the kill (in_progress_requeued failed a
+        benchmark's run whose kill had answered with that very task requeued)."""
         tasks: dict[str, dict[str, Any]] = {}
         for agent_id in self.agents:
+            sent = self.history.clock()
             for t in json_of(await self.reader(agent_id).backlog(agent_id)):
                 tasks[t["id"]] = t
                 self.observe("task_state", {"task_id": t["id"], "state": t["state"],
-                                            "agent_id": agent_id})
+                                            "agent_id": agent_id}, time_ns=sent)
         return tasks
 
     async def sandboxes(self, agent_id: str) -> list[dict[str, Any]]:

@@ -7,6 +7,8 @@ The control plane here is an httpx transport answering from a table.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import httpx
 from faker import Faker
 
@@ -16,10 +18,12 @@ from harness.record.history import History
 from harness.record.recorder import Recorder
 
 
-def client_answering(states: list[str]) -> CoveyClient:
+def client_answering(states: list[str], each: Callable[[], object] = lambda: None
+                     ) -> CoveyClient:
     """A control plane whose agent a1 has one task, in the state `states` holds at the time
-    of the read (a kill moves it on)."""
+    of the read (a kill moves it on); `each` is called as each request is answered."""
     def answer(request: httpx.Request) -> httpx.Response:
+        each()
         if request.url.path == "/api/v1/agents/a1/kill":
             states.append("open")
             return httpx.Response(200, json={"agents_stopped": ["a1"]})
@@ -47,4 +51,26 @@ async def test_an_operator_of_a_client_and_a_recorder_reads_the_tasks_around_its
              for e in history.select(f="task_state")]
     assert reads == [("in_progress", True), ("open", False)], (
         f"the operator did not read the task before and after its kill: {reads}")
+    await client.aclose()
+
+
+async def test_a_task_read_is_stamped_when_it_was_sent_not_when_it_came_back() -> None:
+    """A read sent before a kill's requeue committed and answered after the kill's own
+    answer shows the task in progress: stamped on arrival, in_progress_requeued took that for
+    a task still in progress after the kill."""
+    now = [1_000]
+    history = History(clock=lambda: now[0])
+
+    def later() -> None:  # each answer takes 5 µs of the history's clock
+        now[0] += 5_000
+    client = client_answering(["in_progress"], later)
+    recorder = Recorder(history=history, agents={"a1": {"id": "a1"}},
+                        people={"auditor": client}, admins_beside={},
+                        dialect_name="covey-gameday", stack="none", data_dir=None,
+                        lease_ms=None, notes=[], measurements={})
+    await recorder.read_tasks()
+    [read] = history.select(f="task_state")
+    assert read.time_ns == 1_000, (
+        f"the read was stamped at {read.time_ns}, when it came back, not when it was sent "
+        f"(1000)")
     await client.aclose()
