@@ -144,9 +144,13 @@ class Listener:
         elif channel == "covey_events":
             self.events.publish(payload)
         elif channel == "covey_credentials":  # a session ended or its human changed
+            if payload == "*":  # a table of credentials emptied (migration 0024)
+                self.credentials.announced(None)
+                self.events.credentials_changed(None)
+                return
             with contextlib.suppress(ValueError):
                 human_id = UUID(payload)
-                self.credentials.changed(human_id)
+                self.credentials.announced(human_id)
                 self.events.credentials_changed(human_id)
 
     async def run(self) -> None:

@@ -6,9 +6,11 @@ too. On a quiet host that was a tenth of a single kill's time to its daemon
 for a busy database.
 
 A remembered caller is forgotten as soon as anything that could change the answer is
-announced. Whoever writes the row (a logout, a revoked token, a change of role, an operator
-with psql), a trigger announces the human on `covey_credentials` (migration 0013), and the
-listening connection (covey.app.Listener) hands it to `changed`. The writes this replica makes
+announced. Whoever writes the row (a logout, a revoked token, a change of role or email, an
+operator with psql), a trigger announces the human on `covey_credentials` (migrations 0013
+and 0024; a TRUNCATE announces everyone), and the listening connection (covey.app.Listener)
+hands it to `announced`. Only a writer that turns triggers off
+(`session_replication_role = replica`) goes unheard, until `TTL_S`. The writes this replica makes
 itself are forgotten at once by their routes as well (`changed` again), not when their own
 announcement comes back: a logout's next request must be refused on this replica, whatever
 the listener's delay.
@@ -58,11 +60,20 @@ class Credentials:
         self.epoch += 1
         self._callers.clear()
 
-    def changed(self, human_id: UUID) -> None:
-        """Something about this human's credentials changed: forget their callers."""
+    def changed(self, human_id: UUID | None) -> None:
+        """This replica changed this human's credentials (everyone's for None): forget
+        their callers now, before the announcement comes back."""
         self.epoch += 1
+        if human_id is None:
+            self._callers.clear()
+            return
         for hashed in [h for h, (who, _) in self._callers.items() if who.human_id == human_id]:
             del self._callers[hashed]
+
+    def announced(self, human_id: UUID | None) -> None:
+        """A change to this human's credentials (everyone's for None) was announced on
+        `covey_credentials`, whoever wrote it: forget their callers."""
+        self.changed(human_id)
 
     def get(self, hashed: str) -> Principal | None:
         entry = self._callers.get(hashed)

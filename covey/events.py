@@ -58,10 +58,11 @@ class EventStream:
                 for line in lines:
                     sub.queue.put_nowait(line)
 
-    def credentials_changed(self, human_id: UUID) -> None:
-        """A credential of this human ended, or the human changed: their streams check."""
+    def credentials_changed(self, human_id: UUID | None) -> None:
+        """A credential of this human ended, or the human changed: their streams check
+        (everyone's for None: a table of credentials was emptied)."""
         for sub in list(self._subscribers):
-            if sub.human_id == human_id:
+            if human_id is None or sub.human_id == human_id:
                 sub.queue.put_nowait(_CHECK)
 
     async def stream(self, org_id: UUID, human_id: UUID, left_s: float,

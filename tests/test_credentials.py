@@ -35,9 +35,14 @@ async def test_a_caller_is_looked_up_once_and_then_remembered(world: World) -> N
         "the caller of a request was not remembered: every request still looks it up")
 
 
-async def test_a_logout_is_refused_from_the_next_request_on(world: World) -> None:
+async def test_a_logout_is_refused_from_the_next_request_on(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     """Not once the trigger's announcement comes back through Postgres: at once, on the
-    replica that logged out."""
+    replica that logged out. The announcement is not heard here, so that only the logout's
+    own forgetting can pass this (the announcement usually came back within the logout's
+    round trip anyway)."""
+    credentials: Credentials = world.plane.app.state.credentials
+    monkeypatch.setattr(credentials, "announced", lambda human_id: None)
     async with httpx.AsyncClient(base_url=world.plane.url, timeout=30) as browser:
         r = await browser.post("/api/v1/auth/login",
                                json={"email": "security@acme.test", "password": PASSWORD})
@@ -73,6 +78,35 @@ async def test_a_change_written_by_anyone_else_is_seen_once_announced(world: Wor
     async def revoked() -> bool:
         return (await world.controlling.get("/api/v1/auth/me")).status_code == 401
     await eventually(revoked, ANNOUNCED_S, "a revoked API token was still accepted")
+
+
+async def test_a_token_rewritten_an_email_changed_or_a_table_emptied_is_announced_too(
+        world: World) -> None:
+    """What 0013's triggers did not announce (they served the event streams): an UPDATE that
+    rewrites a token, a new email (the remembered caller carries it), a TRUNCATE."""
+    assert (await world.auditor.get("/api/v1/auth/me")).status_code == 200
+    await world.db.execute("UPDATE api_tokens SET token_hash = 'x' || token_hash"
+                           " WHERE human_id=$1", world.org.humans["auditor"])
+
+    async def rewritten() -> bool:
+        return (await world.auditor.get("/api/v1/auth/me")).status_code == 401
+    await eventually(rewritten, ANNOUNCED_S, "a token whose hash was rewritten was accepted")
+
+    assert (await world.security.get("/api/v1/auth/me")).json()["email"] == "security@acme.test"
+    await world.db.execute("UPDATE humans SET email='renamed@acme.test' WHERE id=$1",
+                           world.org.humans["security"])
+
+    async def renamed() -> bool:
+        me = await world.security.get("/api/v1/auth/me")
+        return bool(me.json()["email"] == "renamed@acme.test")
+    await eventually(renamed, ANNOUNCED_S, "the caller kept the email it had before")
+
+    assert (await world.org_admin.get("/api/v1/auth/me")).status_code == 200
+    await world.db.execute("TRUNCATE api_tokens")
+
+    async def emptied() -> bool:
+        return (await world.org_admin.get("/api/v1/auth/me")).status_code == 401
+    await eventually(emptied, ANNOUNCED_S, "a token was accepted after its table was emptied")
 
 
 def test_nothing_is_remembered_while_announcements_cannot_be_heard() -> None:
