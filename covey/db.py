@@ -120,6 +120,16 @@ async def migrate(url: str) -> list[str]:
             f"the database's encoding is {encoding}, not UTF8: covey stores agents' text in "
             "any language. Create it as UTF8 (`initdb -E UTF8`, or `CREATE DATABASE … "
             "ENCODING 'UTF8' TEMPLATE template0`)")
+    isolation = await conn.fetchval("SHOW default_transaction_isolation")
+    if isolation != "read committed":
+        await conn.close()
+        # The switches' flag (migration 0023) reads the live sessions on a snapshot taken
+        # once its locks are held, which only READ COMMITTED gives a statement of a function:
+        # under REPEATABLE READ a session a wake committed while a kill waited would go on.
+        raise ConfigError(
+            f"the database's default_transaction_isolation is {isolation!r}: covey needs "
+            "'read committed' (Postgres's default). ALTER DATABASE … SET "
+            "default_transaction_isolation TO 'read committed'")
     try:
         # One migrator at a time, across replicas starting together.
         await conn.execute("SELECT pg_advisory_lock(7460001)")

@@ -16,7 +16,10 @@ RETURNS TABLE (what text, id uuid, agent_id uuid, sandbox_id uuid, flag boolean,
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     lock text;
-    prepared text := 'covey_switch_flag_' || md5(body);
+    -- Named by the statement and the schema: a migration that changes a column's type
+    -- makes a statement prepared before it unusable ("cached plan must not change result
+    -- type") on every connection that holds it.
+    prepared text := 'covey_switch_flag_' || md5(body || (SELECT max(name) FROM schema_migrations));
 BEGIN
     FOREACH lock IN ARRAY locks LOOP
         EXECUTE lock USING p1, p2, p3, p4, p5, p6;
