@@ -40,7 +40,7 @@ class CpuGroup:
 
     path: Path
 
-    def join(self, pid: int) -> None:
+    def join(self, pid: int) -> bool:
         """Move a just-started sandbox into the group, with whatever it has started already;
         what its processes start from then on is born there. Never fails the sandbox's
         start: a pid already gone (a daemon that failed at once) or a move the kernel
@@ -50,8 +50,10 @@ class CpuGroup:
         parent moved is listed then, one forked after is born in the group. (The sandbox's
         first move once came after its daemon had already started a child, on a loaded CI
         host, and that child ran in the plane's share.) A process whose parent had already
-        exited is not found, which costs only scheduling: teardown is by group and marker."""
+        exited is not found, which costs only scheduling: teardown is by group and marker.
+        Returns whether `pid` itself is in the group now."""
         pending = [pid]
+        joined = False
         while pending:
             current = pending.pop()
             try:
@@ -61,8 +63,10 @@ class CpuGroup:
             except OSError as exc:
                 log.warning("sandbox_cpu_group_join_refused", pid=current, path=str(self.path),
                             reason=str(exc))
-                return
+                return joined
+            joined = joined or current == pid
             pending.extend(children(current))
+        return joined
 
     def remove(self) -> None:
         """Remove the group once the plane stops; only an empty group can go, and one that

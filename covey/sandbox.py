@@ -195,6 +195,7 @@ class ProcessProvider:
         self._cpu_group = cpu_group
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._markers: dict[str, bytes] = {}
+        self._grouped: set[str] = set()  # the daemons that joined the CPU group (hasten)
         self._table = ProcessTable()
 
     async def start(self, spec: SandboxSpec) -> str:
@@ -213,10 +214,10 @@ class ProcessProvider:
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
             )
-        if self._cpu_group is not None:
-            # At once: the daemon is still starting its interpreter, nothing forked yet.
-            self._cpu_group.join(proc.pid)
         handle = str(proc.pid)
+        # At once: the daemon is still starting its interpreter, nothing forked yet.
+        if self._cpu_group is not None and self._cpu_group.join(proc.pid):
+            self._grouped.add(handle)
         self._procs[handle] = proc
         self._markers[handle] = _marker(spec.sandbox_id)
         return handle
@@ -228,6 +229,7 @@ class ProcessProvider:
         code = await proc.wait()  # the child watcher reaps it the moment it exits
         at_ns = time.time_ns()
         self._procs.pop(handle, None)
+        self._grouped.discard(handle)
         return DaemonExit(code, at_ns)
 
     async def remove(self, handle: str) -> None:
@@ -253,15 +255,14 @@ class ProcessProvider:
         """Raise these daemons' priority within the sandboxes' CPU group (HASTENED_NICE):
         under 200 operators' load a killed agent's daemon, one of twenty busy sandboxes
         sharing the group, took up to 370 ms to read its `kill` and acknowledge it. Only the
-        daemon's main thread, which reads the channel; its tools keep theirs. Only inside
-        the group, whose share of the machine does not change: a fleet kill's thousand
-        daemons outside it would starve the control plane. A syscall each, never a wait
+        daemon's main thread, which reads the channel; its tools keep theirs. Only for a
+        daemon that joined the group, whose share of the machine does not change: a fleet
+        kill's thousand daemons outside it (no group, or a move refused) would outweigh the
+        control plane. A syscall each, never a wait
         (moving the daemon out of the group blocked the plane's loop 12 ms); refused
         (no CAP_SYS_NICE) it changes nothing."""
-        if self._cpu_group is None:
-            return
         for handle in handles:
-            if handle in self._procs:
+            if handle in self._grouped and handle in self._procs:
                 with contextlib.suppress(OSError):
                     os.setpriority(os.PRIO_PROCESS, int(handle), HASTENED_NICE)
 

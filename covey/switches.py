@@ -511,6 +511,8 @@ class Switches:
         to: those cost nothing now."""
         crowd = len(session_ids)
         sending = self.hub.not_yet_killed(session_ids)
+        if self.runner is not None and sending:  # as _stop_sessions does: obeyed first
+            self.runner.hasten(list(self.runner.sandboxes_of(sending).values()))
         sent = await asyncio.gather(*(self.hub.send_kill(s, crowd) for s in sending))
         # The second line holds here too: the replica that holds a daemon is the one whose
         # runner can tear its sandbox down (the kill's own replica reads the confirmation).

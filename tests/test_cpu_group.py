@@ -86,7 +86,7 @@ def the_cpu_group() -> CpuGroup:
 
 
 @contextlib.asynccontextmanager
-async def sandbox_with_a_tool(tmp_path: Path, group: CpuGroup
+async def sandbox_with_a_tool(tmp_path: Path, group: CpuGroup | None
                               ) -> AsyncIterator[tuple[ProcessProvider, str, int]]:
     """A process sandbox in `group` whose "daemon" has started a child (its tool) and holds:
     the provider, the sandbox's handle, the child's pid; killed and reaped on the way out."""
@@ -134,6 +134,17 @@ async def test_a_killed_agent_s_daemon_is_hastened_and_its_tools_are_not(
             "the killed agent's tool was hastened with its daemon"
         assert cpu_cgroup_of(int(handle)).endswith(group.path.name), \
             "the hastened daemon left the sandboxes' CPU group"
+    await provider.close()
+
+
+async def test_a_daemon_outside_the_group_is_not_hastened(tmp_path: Path) -> None:
+    """Outside the sandboxes' group a hastened daemon would weigh against the control plane
+    itself: a fleet kill's thousand at nice -10 would outweigh it."""
+    async with sandbox_with_a_tool(tmp_path, None) as (provider, handle, _):
+        before = os.getpriority(os.PRIO_PROCESS, int(handle))
+        provider.hasten([handle])
+        assert os.getpriority(os.PRIO_PROCESS, int(handle)) == before, \
+            "a daemon outside the sandboxes' CPU group was hastened"
     await provider.close()
 
 
