@@ -116,9 +116,9 @@ class Expect:
         rule(all(flagged.values()), f"the fleet stop left agents running (not flagged): "
              f"{sorted(a for a, k in flagged.items() if not k)}")
         before: dict[str, str] = {}
-        for e in self.recorder.history.select(f="task_state"):
-            if e.time_ns < kill.start_ns:
-                before[str(e.value["task_id"])] = str(e.value["state"])
+        for read in self.recorder.history.operations("task_state"):  # in order of start
+            if read.type == "ok" and read.end_ns is not None and read.end_ns < kill.start_ns:
+                before[str(read.value["task_id"])] = str(read.value["state"])
         tasks = await self.recorder.read_tasks()
         requeued = {t for t, s in before.items() if s == "in_progress"
                     and tasks.get(t, {}).get("state") == "open"}

@@ -111,19 +111,23 @@ class Recorder:
         self.history.observe(OBSERVER, f, value, time_ns=time_ns)
 
     async def read_tasks(self) -> dict[str, dict[str, Any]]:
-        """Every task of every agent, recorded as task_state observations, each at the time
-        its read was sent: the state it shows held at some moment after that, not
-        necessarily by the time the answer came. Stamped on arrival, a read sent just
-        before a kill's requeue committed and answered just after the kill's own answer
-        read as a task still in progress after the kill (in_progress_requeued failed a
-        benchmark's run whose kill had answered with that very task requeued)."""
+        """Every task of every agent, each recorded as a `task_state` read from when its
+        agent's backlog was asked for to when it came back: the state it shows held at some
+        moment in between. As one observation stamped on arrival, a read sent before a
+        kill's requeue committed and answered after the kill's own answer read as a task
+        still in progress after the kill (in_progress_requeued failed a benchmark's run whose
+        kill had answered with that very task requeued); stamped when sent, it would read as
+        a state from before a kill it came back after."""
         tasks: dict[str, dict[str, Any]] = {}
         for agent_id in self.agents:
             sent = self.history.clock()
             for t in json_of(await self.reader(agent_id).backlog(agent_id)):
                 tasks[t["id"]] = t
-                self.observe("task_state", {"task_id": t["id"], "state": t["state"],
-                                            "agent_id": agent_id}, time_ns=sent)
+                read = self.history.record("invoke", OBSERVER, "task_state",
+                                           {"task_id": t["id"], "agent_id": agent_id},
+                                           time_ns=sent)
+                self.history.complete(read, "ok", {"task_id": t["id"], "state": t["state"],
+                                                   "agent_id": agent_id})
         return tasks
 
     async def sandboxes(self, agent_id: str) -> list[dict[str, Any]]:

@@ -47,17 +47,18 @@ async def test_an_operator_of_a_client_and_a_recorder_reads_the_tasks_around_its
     security = Operator("security", client, recorder, Faker())
     assert (await security.kill_agent("a1")).status_code == 200
     kill = history.operations("kill_agent")[0]
-    reads = [(e.value["state"], e.time_ns < kill.start_ns)
-             for e in history.select(f="task_state")]
+    reads = [(r.value["state"], r.end_ns is not None and r.end_ns < kill.start_ns)
+             for r in history.operations("task_state")]
     assert reads == [("in_progress", True), ("open", False)], (
         f"the operator did not read the task before and after its kill: {reads}")
     await client.aclose()
 
 
-async def test_a_task_read_is_stamped_when_it_was_sent_not_when_it_came_back() -> None:
+async def test_a_task_read_spans_from_its_request_to_its_answer() -> None:
     """A read sent before a kill's requeue committed and answered after the kill's own
-    answer shows the task in progress: stamped on arrival, in_progress_requeued took that for
-    a task still in progress after the kill."""
+    answer shows the task in progress. Stamped on arrival, in_progress_requeued took that
+    for a task still in progress after the kill; stamped when sent, a state from before a
+    kill it came back after. It holds somewhere in between, and says so."""
     now = [1_000]
     history = History(clock=lambda: now[0])
 
@@ -69,8 +70,9 @@ async def test_a_task_read_is_stamped_when_it_was_sent_not_when_it_came_back() -
                         dialect_name="covey-gameday", stack="none", data_dir=None,
                         lease_ms=None, notes=[], measurements={})
     await recorder.read_tasks()
-    [read] = history.select(f="task_state")
-    assert read.time_ns == 1_000, (
-        f"the read was stamped at {read.time_ns}, when it came back, not when it was sent "
-        f"(1000)")
+    [read] = history.operations("task_state")
+    assert (read.start_ns, read.end_ns) == (1_000, 6_000), (
+        f"the read spans {read.start_ns}..{read.end_ns}, not its request (1000) to its "
+        f"answer (6000)")
+    assert read.value == {"task_id": "t1", "agent_id": "a1", "state": "in_progress"}
     await client.aclose()
