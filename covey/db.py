@@ -34,7 +34,9 @@ async def _keep_session(_conn: Connection) -> None:
     listener has its own), sets a session variable or takes a session advisory lock, and
     asyncpg's default reset (`RESET ALL; UNLISTEN *; …`) cost a round trip per release:
     under Locust load a tenth of the control plane's CPU, and a connection held that much
-    longer while requests, the kill among them, waited for one."""
+    longer while requests, the kill among them, waited for one. What a connection does
+    keep is meant to stay: its prepared statements (asyncpg's, and the kill's flag's,
+    migration 0023)."""
 
 
 class DatabaseUnavailable(Exception):
@@ -106,30 +108,34 @@ def _migrations() -> list[tuple[str, str]]:
     return [(name, p.read_text()) for name, p in files]
 
 
+async def _unfit(conn: Connection) -> str | None:
+    """Why covey cannot work with this database, or None."""
+    encoding = await conn.fetchval("SHOW server_encoding")
+    if encoding != "UTF8":
+        # A SQL_ASCII database (initdb in a C locale) takes a NUL-free ASCII world only: the
+        # first U+FFFD that replaced a model's NUL, or any agent's non-English text in a
+        # jsonb column, failed the daemon's handler and, six losses later, its task.
+        return (f"the database's encoding is {encoding}, not UTF8: covey stores agents' text "
+                "in any language. Create it as UTF8 (`initdb -E UTF8`, or `CREATE DATABASE … "
+                "ENCODING 'UTF8' TEMPLATE template0`)")
+    isolation = await conn.fetchval("SHOW default_transaction_isolation")
+    if isolation != "read committed":
+        # The switches' flag (migration 0023) reads the live sessions on a snapshot taken
+        # once its locks are held, which only READ COMMITTED gives a statement of a function:
+        # under REPEATABLE READ a session a wake committed while a kill waited would go on.
+        return (f"the database's default_transaction_isolation is {isolation!r}: covey needs "
+                "'read committed' (Postgres's default). ALTER DATABASE … SET "
+                "default_transaction_isolation TO 'read committed'")
+    return None
+
+
 async def migrate(url: str) -> list[str]:
     """Apply the migrations not yet recorded, in order, each in its own transaction."""
     conn = await asyncpg.connect(url)
     applied_now: list[str] = []
-    encoding = await conn.fetchval("SHOW server_encoding")
-    if encoding != "UTF8":
+    if (why := await _unfit(conn)) is not None:
         await conn.close()
-        # A SQL_ASCII database (initdb in a C locale) takes a NUL-free ASCII world only: the
-        # first U+FFFD that replaced a model's NUL, or any agent's non-English text in a
-        # jsonb column, failed the daemon's handler and, six losses later, its task.
-        raise ConfigError(
-            f"the database's encoding is {encoding}, not UTF8: covey stores agents' text in "
-            "any language. Create it as UTF8 (`initdb -E UTF8`, or `CREATE DATABASE … "
-            "ENCODING 'UTF8' TEMPLATE template0`)")
-    isolation = await conn.fetchval("SHOW default_transaction_isolation")
-    if isolation != "read committed":
-        await conn.close()
-        # The switches' flag (migration 0023) reads the live sessions on a snapshot taken
-        # once its locks are held, which only READ COMMITTED gives a statement of a function:
-        # under REPEATABLE READ a session a wake committed while a kill waited would go on.
-        raise ConfigError(
-            f"the database's default_transaction_isolation is {isolation!r}: covey needs "
-            "'read committed' (Postgres's default). ALTER DATABASE … SET "
-            "default_transaction_isolation TO 'read committed'")
+        raise ConfigError(why)
     try:
         # One migrator at a time, across replicas starting together.
         await conn.execute("SELECT pg_advisory_lock(7460001)")
