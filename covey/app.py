@@ -144,12 +144,9 @@ class Listener:
         elif channel == "covey_events":
             self.events.publish(payload)
         elif channel == "covey_credentials":  # a session ended or its human changed
-            if payload == "*":  # a table of credentials emptied (migration 0024)
-                self.credentials.announced(None)
-                self.events.credentials_changed(None)
-                return
             with contextlib.suppress(ValueError):
-                human_id = UUID(payload)
+                # '*': a table of credentials emptied, everyone's (migration 0024).
+                human_id = None if payload == "*" else UUID(payload)
                 self.credentials.announced(human_id)
                 self.events.credentials_changed(human_id)
 

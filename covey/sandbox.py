@@ -262,7 +262,7 @@ class ProcessProvider:
         (moving the daemon out of the group blocked the plane's loop 12 ms); refused
         (no CAP_SYS_NICE) it changes nothing."""
         for handle in handles:
-            if handle in self._grouped and handle in self._procs:
+            if handle in self._grouped:  # running: `wait` forgets it with its exit
                 with contextlib.suppress(OSError):
                     os.setpriority(os.PRIO_PROCESS, int(handle), HASTENED_NICE)
 

@@ -60,21 +60,23 @@ def credential_hash(request: Request) -> str:
     return token_hash(_credential(request) or "")
 
 
+# Who a credential hash is (id, org_id, email, role) and for how many more seconds it holds
+# (left_s; NULL for an API token): the request's caller and the event stream's recheck.
+CALLER_SQL = """
+    SELECT h.id, h.org_id, h.email, h.role, c.left_s
+    FROM (SELECT human_id, extract(epoch FROM expires_at - now())::float8 AS left_s
+          FROM web_sessions WHERE token_hash=$1 AND expires_at > now()
+          UNION ALL
+          SELECT human_id, NULL FROM api_tokens WHERE token_hash=$1
+          LIMIT 1) c
+    JOIN humans h ON h.id = c.human_id
+    """
+
+
 async def credential_left_s(orch: Orchestrator, who: Principal, hashed: str) -> float | None:
     """For how many more seconds this credential holds for `who` as they were (same human,
     organisation and role): math.inf for an API token; None once it no longer does."""
-    row = await orch.pool.fetchrow(
-        """
-        SELECT h.id, h.org_id, h.role, extract(epoch FROM c.expires_at - now()) AS left_s
-        FROM (SELECT human_id, expires_at FROM web_sessions
-              WHERE token_hash=$1 AND expires_at > now()
-              UNION ALL
-              SELECT human_id, NULL FROM api_tokens WHERE token_hash=$1
-              LIMIT 1) c
-        JOIN humans h ON h.id = c.human_id
-        """,
-        hashed, timeout=5,
-    )
+    row = await orch.pool.fetchrow(CALLER_SQL, hashed, timeout=5)
     if row is None or (row["id"], row["org_id"], row["role"]) != (who.human_id, who.org_id,
                                                                    who.role):
         return None
@@ -96,18 +98,7 @@ async def current_principal(request: Request, orch: Orch) -> Principal:
     # A switch's caller is looked up on the switches' lane: a kill must not queue for a
     # connection behind the reads it is meant to cut through.
     pool = orch.switch_pool if is_switch(request.method, request.url.path) else orch.pool
-    row = await pool.fetchrow(
-        """
-        SELECT h.id, h.org_id, h.email, h.role, c.left_s
-        FROM (SELECT human_id, extract(epoch FROM expires_at - now())::float8 AS left_s
-              FROM web_sessions WHERE token_hash=$1 AND expires_at > now()
-              UNION ALL
-              SELECT human_id, NULL FROM api_tokens WHERE token_hash=$1
-              LIMIT 1) c
-        JOIN humans h ON h.id = c.human_id
-        """,
-        hashed,
-    )
+    row = await pool.fetchrow(CALLER_SQL, hashed)
     if row is None:
         raise ApiError(401, "Session expired or token unknown",
                        "Sign in again, or create a new API token.")
