@@ -96,6 +96,15 @@ async def test_a_daemon_that_vanishes_without_a_close_is_lost_at_once(
     assert failures == [], [r.getMessage() for r in failures]
 
 
+async def until_a_lock_is_waited_for(world: World, query_like: str, what: str) -> None:
+    """Until a statement `LIKE query_like` (the kill's) waits on a lock."""
+    async def waiting() -> bool:
+        return bool(await world.db.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type='Lock'"
+            " AND query LIKE $1 AND pid <> pg_backend_pid()", query_like))
+    await eventually(waiting, 10, what)
+
+
 async def kill_in_a_deadlock(world: World, agent_id: str, holds: tuple[str, uuid.UUID],
                              waits_on: str, wants: tuple[str, uuid.UUID]) -> tuple[Any, str]:
     """An agent kill caught in a real deadlock: another transaction runs `holds` (SQL, its
@@ -110,13 +119,8 @@ async def kill_in_a_deadlock(world: World, agent_id: str, holds: tuple[str, uuid
         await held.start()
         await other.execute(*holds)
         kill = asyncio.create_task(world.security.post(f"/api/v1/agents/{agent_id}/kill"))
-
-        async def kill_waits() -> bool:
-            waiting = await world.db.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type='Lock'"
-                " AND query LIKE $1 AND pid <> pg_backend_pid()", waits_on)
-            return bool(waiting)
-        await eventually(kill_waits, 10, f"the kill never waited on a lock in {waits_on}")
+        await until_a_lock_is_waited_for(world, waits_on,
+                                         f"the kill never waited on a lock in {waits_on}")
         closing = asyncio.create_task(other.execute(*wants))
         try:
             await asyncio.wait_for(closing, 15)
@@ -213,13 +217,8 @@ async def test_a_session_a_wake_commits_while_the_kill_waits_is_cancelled(
             session_id, aid, sandbox_id)
         path = f"/api/v1/agents/{aid}/kill" if switch == "agent" else "/api/v1/fleet/kill"
         kill = asyncio.create_task(world.security.post(path))
-
-        async def kill_waits() -> bool:
-            waiting = await world.db.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type='Lock'"
-                " AND query LIKE '%covey_switch_flag%'")
-            return bool(waiting)
-        await eventually(kill_waits, 10, "the kill never waited for the wake's lock")
+        await until_a_lock_is_waited_for(world, "%covey_switch_flag%",
+                                         "the kill never waited for the wake's lock")
         await held.commit()
         r = await asyncio.wait_for(kill, 15)
     finally:
