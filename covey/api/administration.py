@@ -192,7 +192,7 @@ async def login(request: Request) -> Response:
     if not expected or not hmac.compare_digest(form.get("csrf", ""), expected):
         return _refusal(403, "The sign-in form has expired",
                         "Open /administration again and sign in from there.", request)
-    lane = sign_in_lane(request)
+    lane = await sign_in_lane(request)
     try:  # the API's sign-in, its limits included: this is the same door
         row = await lane.verify(form.get("email", ""), form.get("password", ""),
                                 client_address(request))
@@ -301,7 +301,7 @@ async def logout(request: Request) -> Response:
         "DELETE FROM web_sessions WHERE human_id=$1", who.human_id)
     request.app.state.credentials.changed(who.human_id)  # as the API's logout does
     response = RedirectResponse("/administration", 303)
-    sign_in_lane(request).clear_cookie(response, request)
+    (await sign_in_lane(request)).clear_cookie(response, request)
     return response
 
 

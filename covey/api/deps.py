@@ -32,7 +32,10 @@ def arrived(request: Request) -> float:
     return float(stamp) if stamp is not None else time.perf_counter()
 
 
-def orchestrator(request: Request) -> Orchestrator:
+# Coroutines, however little they do: FastAPI runs a plain function dependency in its thread
+# pool, and every request (a kill's too) waited for a worker thread and for the loop to hear
+# back from it, behind whatever else held the pool and the GIL (issue 20).
+async def orchestrator(request: Request) -> Orchestrator:
     orch: Orchestrator = request.app.state.orchestrator
     return orch
 
@@ -40,7 +43,7 @@ def orchestrator(request: Request) -> Orchestrator:
 Orch = Annotated[Orchestrator, Depends(orchestrator)]
 
 
-def sign_in_lane(request: Request) -> SignIn:
+async def sign_in_lane(request: Request) -> SignIn:
     lane: SignIn = request.app.state.sign_in
     return lane
 
