@@ -195,9 +195,15 @@ class DaemonHub:
 
 
 async def send_to(link: DaemonLink, kind: str, payload: dict[str, Any]) -> bool:
+    """Send one frame; False when it did not go out. A `lease` never follows a `kill`: a
+    renewal read from the database just before the kill's commit, and sent after the kill
+    (or queued behind it on the link's lock), would run a daemon deaf to `kill` a lease
+    past its kill, and past the kill's wait for its confirmation."""
     text = json.dumps({"type": kind, "payload": payload}, default=str)
     try:
         async with link.lock:
+            if kind == "lease" and link.kill_sent_ns is not None:
+                return False
             await link.sink.send_text(text)
     except Exception:  # a closed socket: the disconnect handler deals with the session
         return False

@@ -288,6 +288,37 @@ async def test_sandboxes_that_do_not_exit_within_the_grace_are_destroyed(
         assert codes == [-9] * len(ids), f"expected every sandbox killed (-9): {codes}"
 
 
+async def test_no_lease_goes_to_a_daemon_after_its_kill() -> None:
+    """A unit of the hub: a renewal read just before a kill's commit and sent after the kill,
+    or queued behind it on the link's lock, would extend a deaf daemon's lease past its kill;
+    it is dropped. Other frames still go."""
+    from covey.hub import DaemonHub, DaemonLink
+
+    sent: list[str] = []
+    release = asyncio.Event()
+
+    class Sink:
+        async def send_text(self, data: str) -> None:
+            if json.loads(data)["type"] == "kill":
+                await release.wait()  # the kill still on the wire
+            sent.append(json.loads(data)["type"])
+
+    hub = DaemonHub()
+    link = DaemonLink(uuid.uuid4(), uuid.uuid4(), Sink())
+    hub.attach(link)
+    assert await hub.send(link.session_id, "lease", {"ttl_ms": 2000})
+    kill = asyncio.ensure_future(hub.send_kill(link.session_id))
+    await asyncio.sleep(0)  # the kill holds the link's lock
+    queued = asyncio.ensure_future(hub.send(link.session_id, "lease", {"ttl_ms": 2000}))
+    await asyncio.sleep(0)
+    release.set()
+    assert await kill
+    assert await queued is False
+    assert await hub.send(link.session_id, "lease", {"ttl_ms": 2000}) is False
+    assert await hub.send(link.session_id, "sleep", {})
+    assert sent == ["lease", "kill", "sleep"]
+
+
 async def test_the_kills_wait_returns_who_confirmed_within_its_bound() -> None:
     """A unit of the hub: a kill waits for its daemons' confirmations at most its bound,
     and answers with those that confirmed (by `kill_ack` or hang-up), in the order asked;
