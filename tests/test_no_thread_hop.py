@@ -1,7 +1,8 @@
 """No API route waits for a worker thread before it runs: FastAPI runs a handler or a
 dependency written as a plain function in its thread pool, and every request that needed one
 (a kill's among them) waited for a free worker and for the loop to hear back from it (issue
-20: 0.3 ms of a kill's p50 on a quiet host, more behind 200 operators)."""
+20: from a kill's arrival to its route, 0.71 ms p50 with the hop, 0.42 ms without, stamped
+inside the plane in one run each)."""
 import inspect
 from pathlib import Path
 
@@ -11,6 +12,13 @@ from fastapi.routing import APIRoute, APIWebSocketRoute
 from covey.api.openapi import _calls
 from covey.app import create_app
 from covey.config import Settings
+
+
+def _on_the_loop(call: object) -> bool:
+    """What FastAPI awaits on the loop: a coroutine function or an async generator (a
+    dependency with `yield`), or an object whose __call__ is one."""
+    return any(inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f)
+               for f in (call, getattr(call, "__call__", None)))  # noqa: B004
 
 
 def test_every_route_and_dependency_runs_on_the_event_loop(tmp_path: Path) -> None:
@@ -24,7 +32,6 @@ def test_every_route_and_dependency_runs_on_the_event_loop(tmp_path: Path) -> No
         f"{route.path_format}: {getattr(call, '__qualname__', repr(call))}"
         for route in routes
         for call in (route.dependant.call, *_calls(route.dependant))
-        if call is not None and not inspect.iscoroutinefunction(call)
-        and not inspect.iscoroutinefunction(getattr(call, "__call__", None))  # noqa: B004
+        if call is not None and not _on_the_loop(call)
     })
     assert plain == [], "run in FastAPI's thread pool, not on the loop: " + "; ".join(plain)
