@@ -79,15 +79,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[int, str, str, lis
     return 422, "Invalid request", hint, details
 
 
-def api_routes(app: FastAPI) -> Iterator[Any]:
-    """The app's API routes, each with its full path_format, methods and dependant. FastAPI
-    0.16x nests included routers; older ones list every route flat."""
+def api_routes(app: FastAPI, kinds: tuple[type, ...] = (APIRoute,)) -> Iterator[Any]:
+    """The app's routes of these kinds (its HTTP API routes unless told), each with its full
+    path_format and dependant. FastAPI 0.16x nests included routers; older ones list every
+    route flat."""
     contexts = getattr(fastapi.routing, "iter_route_contexts", None)
     if contexts is None:
-        yield from (r for r in app.routes if isinstance(r, APIRoute))
+        yield from (r for r in app.routes if isinstance(r, kinds))
         return
     for context in contexts(app.routes):
-        if isinstance(context.original_route, APIRoute):
+        if isinstance(context.original_route, kinds):
             yield context
 
 

@@ -219,8 +219,9 @@ async def test_a_guard_trip_stops_records_alerts_and_holds_the_agent(
     assert await cworld.db.fetchval("SELECT count(*) FROM sessions WHERE agent_id=$1",
                                     uuid.UUID(agent["id"])) == 1
     # A human resume lets it run again.
-    r = await cworld.org_admin.post(f"/api/v1/agents/{agent['id']}/resume")
-    assert r.json()["agents_woken"] == [agent["id"]]
+    mark = await cworld.event_mark()
+    await cworld.released(await cworld.org_admin.post(f"/api/v1/agents/{agent['id']}/resume"),
+                          mark, [agent["id"]])
 
 
 async def test_cutting_the_control_channel_stops_the_agent_within_the_lease(

@@ -6,12 +6,12 @@ inside the plane in one run each)."""
 import inspect
 from pathlib import Path
 
-import fastapi.routing
 from fastapi.routing import APIRoute, APIWebSocketRoute
 
 from covey.api.openapi import _calls
 from covey.app import create_app
 from covey.config import Settings
+from covey.errors import api_routes
 
 
 def _on_the_loop(call: object) -> bool:
@@ -23,10 +23,7 @@ def _on_the_loop(call: object) -> bool:
 
 def test_every_route_and_dependency_runs_on_the_event_loop(tmp_path: Path) -> None:
     app = create_app(Settings(database_url=None, data_dir=tmp_path))  # not started
-    # FastAPI 0.16x nests included routers (covey.errors.api_routes); older ones list flat.
-    contexts = getattr(fastapi.routing, "iter_route_contexts", None)
-    routes = [r for r in (app.routes if contexts is None else contexts(app.routes))
-              if isinstance(getattr(r, "original_route", r), APIRoute | APIWebSocketRoute)]
+    routes = list(api_routes(app, kinds=(APIRoute, APIWebSocketRoute)))
     assert len(routes) > 20, "the app's routes were not found"
     plain = sorted({
         f"{route.path_format}: {getattr(call, '__qualname__', repr(call))}"

@@ -200,6 +200,32 @@ class World:
             return bool(status == "working")
         await until(working, deadline_s, f"agent {agent_id} never started working")
 
+    async def event_mark(self) -> int:
+        """The newest recording event's id: read what happens after it with started_since."""
+        mark: int = await self.db.fetchval("SELECT coalesce(max(id), 0) FROM recording_events")
+        return mark
+
+    async def started_since(self, mark: int) -> dict[str, list[str]]:
+        """Each agent's sessions started after `mark`, by the path that woke it ('resume',
+        'tick', ...), oldest first."""
+        started: dict[str, list[str]] = {}
+        for row in await self.db.fetch(
+                "SELECT agent_id, detail->>'path' AS path FROM recording_events WHERE id > $1"
+                " AND kind='session' AND status='started' ORDER BY id", mark):
+            started.setdefault(str(row["agent_id"]), []).append(row["path"])
+        return started
+
+    async def released(self, answer: httpx.Response, mark: int, agents: list[str]) -> None:
+        """A release (a resume, a stop cleared) answered 200 and woke each of these agents at
+        once. On a plane with a fast tick the scheduler's pass may lock a released agent
+        first: the release then finds it busy and leaves it out of `agents_woken`. Either
+        way each agent's one session since `mark` was started by one of the two."""
+        assert answer.status_code == 200, answer.text
+        woken = answer.json()["agents_woken"]
+        started = await self.started_since(mark)
+        assert set(woken) <= set(agents) and started == {
+            a: ["resume" if a in woken else "tick"] for a in agents}, (woken, started)
+
     async def snapshot(self) -> dict[str, int]:
         """Row counts of every table: bad input must leave them all unchanged."""
         tables = [r["tablename"] for r in await self.db.fetch(
