@@ -290,3 +290,26 @@ async def test_a_superseded_sessions_result_is_rejected(world: World) -> None:
     assert await world.plane.orch.finish_task(session_id, uuid.UUID(task["id"]), token,
                                               "done", "fresh") is None
     assert await world.task_state(task["id"]) == "done"
+
+
+async def test_work_that_comes_while_a_session_ends_wakes_the_agent_at_once(
+        database_url: str, tmp_path: Path) -> None:
+    """A new task's wake leaves an agent whose session is live (it would only find it busy,
+    holding the agent's row meanwhile); if that session then ends without it (its daemon
+    had found no work just before), the end wakes the agent for it: on a one-minute tick,
+    nothing else would for a minute."""
+    async with start_plane(database_url, tmp_path, SCRIPTED_DAEMON, tick_ms=60_000) as plane, \
+            make_world(plane) as world:
+        agent = await world.agent()
+        await world.task(agent["id"], "hold")
+        await world.wait_working(agent["id"])
+        live = await world.db.fetchval(
+            "SELECT id FROM sessions WHERE agent_id=$1 AND state='running'",
+            uuid.UUID(agent["id"]))
+        mark = await world.event_mark()
+        late = await world.task(agent["id"], "work:0")
+        await asyncio.sleep(1)  # its wake's look, well past
+        assert await world.started_since(mark) == {}, "the busy agent was woken again"
+        assert await plane.orch.end_session(live) == "sleep"
+        await world.wait_task(late["id"], "done", deadline_s=15)
+        assert await world.started_since(mark) == {agent["id"]: ["notify"]}
