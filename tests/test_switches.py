@@ -292,24 +292,25 @@ async def test_a_superseded_sessions_result_is_rejected(world: World) -> None:
     assert await world.task_state(task["id"]) == "done"
 
 
-async def test_work_that_comes_while_a_session_ends_wakes_the_agent_at_once(
+async def test_a_new_task_for_a_busy_agent_takes_no_lock_on_it(
         database_url: str, tmp_path: Path) -> None:
-    """A new task's wake leaves an agent whose session is live (it would only find it busy,
-    holding the agent's row meanwhile); if that session then ends without it (its daemon
-    had found no work just before), the end wakes the agent for it: on a one-minute tick,
-    nothing else would for a minute."""
+    """A new task's wake looks first, without a lock, and leaves an agent whose session is
+    live: its session claims the work. It used to lock the agent's row and its
+    organisation's only to find it busy, and a kill waits for those locks. Here the agent's
+    row is held, as a kill would hold it: no wake may queue behind it."""
     async with start_plane(database_url, tmp_path, SCRIPTED_DAEMON, tick_ms=60_000) as plane, \
             make_world(plane) as world:
         agent = await world.agent()
         await world.task(agent["id"], "hold")
         await world.wait_working(agent["id"])
-        live = await world.db.fetchval(
-            "SELECT id FROM sessions WHERE agent_id=$1 AND state='running'",
-            uuid.UUID(agent["id"]))
         mark = await world.event_mark()
-        late = await world.task(agent["id"], "work:0")
-        await asyncio.sleep(1)  # its wake's look, well past
+        async with world.db.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT 1 FROM agents WHERE id=$1 FOR NO KEY UPDATE",
+                               uuid.UUID(agent["id"]))
+            await world.task(agent["id"], "work:0")
+            await asyncio.sleep(1)  # the wake's look, well past
+            waiting = await world.db.fetch(
+                "SELECT left(query, 120) AS query FROM pg_stat_activity"
+                " WHERE wait_event_type='Lock' AND datname=current_database()")
+        assert waiting == [], f"a wake queued for the busy agent's lock: {waiting}"
         assert await world.started_since(mark) == {}, "the busy agent was woken again"
-        assert await plane.orch.end_session(live) == "sleep"
-        await world.wait_task(late["id"], "done", deadline_s=15)
-        assert await world.started_since(mark) == {agent["id"]: ["notify"]}
