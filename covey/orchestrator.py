@@ -40,7 +40,7 @@ from covey.db import (
     transaction,
 )
 from covey.hub import DaemonHub, DaemonLink
-from covey.rows import emit_status, lock_agent, record, requeue_in_progress
+from covey.rows import emit_status, lock_agent, record, requeue_in_progress, sessions_in_order
 from covey.security import new_token, token_hash
 from covey.switches import Switches
 
@@ -166,11 +166,12 @@ class Orchestrator(Switches):
             "WITH x AS (SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::numeric[],"
             " $4::integer[]) AS x(agent_id, session_id, usd, tokens)),"
             " booked AS (INSERT INTO cost_entries (agent_id, session_id, usd, tokens)"
-            " SELECT agent_id, session_id, usd, tokens FROM x)"
+            " SELECT agent_id, session_id, usd, tokens FROM x),"
+            f" {sessions_in_order('SELECT session_id FROM x')}"
             " UPDATE sessions s SET cost_usd=LEAST(s.cost_usd + t.usd,"
             f" {MAX_SESSION_COST_USD})"
-            " FROM (SELECT session_id, sum(usd) AS usd FROM x GROUP BY session_id) t"
-            " WHERE s.id=t.session_id")
+            " FROM (SELECT session_id, sum(usd) AS usd FROM x GROUP BY session_id) t, in_order"
+            " WHERE s.id=t.session_id AND s.id=in_order.id")
 
     # ---------------------------------------------------------------- waking
 
@@ -754,9 +755,12 @@ class Orchestrator(Switches):
         # lapse under load, and they stop as if killed.
         rows = await self.switch_pool.fetch(
             f"""
+            WITH {sessions_in_order(
+                "SELECT id FROM sessions WHERE id = ANY($1::uuid[])"
+                " AND state IN ('starting','running')")}
             UPDATE sessions s SET last_seen_at=now()
-            FROM agents a JOIN organizations o ON o.id=a.org_id
-            WHERE s.id = ANY($1::uuid[]) AND s.agent_id=a.id
+            FROM in_order, agents a JOIN organizations o ON o.id=a.org_id
+            WHERE s.id=in_order.id AND s.agent_id=a.id
               AND s.state IN ('starting','running') AND {MAY_RUN}
             RETURNING s.id, ARRAY(
                 SELECT DISTINCT 'tool:' || f.tool FROM kill_flags f

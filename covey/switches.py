@@ -48,6 +48,7 @@ from covey.rows import (
     record,
     record_many,
     requeue_ctes,
+    sessions_in_order,
     status_event,
     statuses_cte,
 )
@@ -119,18 +120,21 @@ class Switches:
         # batch per statement, not a pool round trip (and a connection reset) each.
         self.record_kill_confirmation = BatchedWrite(
             self.switch_pool,
-            "UPDATE sessions s SET kill_sent_at=x.sent, kill_confirmed_at=x.confirmed,"
-            " kill_confirmed_by=x.how, kill_acked_at=x.acked"
-            " FROM unnest($1::uuid[], $2::timestamptz[], $3::timestamptz[], $4::text[],"
-            " $5::timestamptz[]) AS x(id, sent, confirmed, how, acked)"
-            " WHERE s.id=x.id AND s.kill_confirmed_by IS NULL")
+            "WITH x AS (SELECT * FROM unnest($1::uuid[], $2::timestamptz[],"
+            " $3::timestamptz[], $4::text[], $5::timestamptz[])"
+            " AS x(id, sent, confirmed, how, acked)),"
+            f" {sessions_in_order('SELECT id FROM x')}"
+            " UPDATE sessions s SET kill_sent_at=x.sent, kill_confirmed_at=x.confirmed,"
+            " kill_confirmed_by=x.how, kill_acked_at=x.acked FROM x, in_order"
+            " WHERE s.id=x.id AND s.id=in_order.id AND s.kill_confirmed_by IS NULL")
         self.record_daemon_stop = BatchedWrite(
             self.switch_pool,
-            "UPDATE sessions s SET daemon_stop=x.stop, daemon_stop_detail=x.detail,"
-            " tool_cut=x.cut"
-            " FROM unnest($1::uuid[], $2::text[], $3::text[], $4::jsonb[])"
-            " AS x(id, stop, detail, cut)"
-            " WHERE s.id=x.id AND s.daemon_stop IS NULL")
+            "WITH x AS (SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[],"
+            " $4::jsonb[]) AS x(id, stop, detail, cut)),"
+            f" {sessions_in_order('SELECT id FROM x')}"
+            " UPDATE sessions s SET daemon_stop=x.stop, daemon_stop_detail=x.detail,"
+            " tool_cut=x.cut FROM x, in_order"
+            " WHERE s.id=x.id AND s.id=in_order.id AND s.daemon_stop IS NULL")
 
     if TYPE_CHECKING:  # the orchestrator's, used by the resumes and the second line
         async def wake_many(self, agent_ids: list[UUID], path: str) -> list[UUID]: ...

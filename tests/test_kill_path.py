@@ -569,3 +569,46 @@ async def test_open_work_written_by_anyone_still_wakes_an_agent_that_may_run(
     finally:
         del world.plane.orch.wake  # type: ignore[method-assign]
     assert woken == [aid], f"the agent was woken {woken} from its NOTIFY, not once"
+
+
+@pytest.mark.parametrize("statement", ["fleet kill", "costs", "lease renewal"])
+async def test_a_statement_on_several_sessions_locks_them_in_the_order_of_their_ids(
+        database_url: str, tmp_path: Path, statement: str) -> None:
+    """Two statements that lock the same sessions in different orders deadlock, and
+    Postgres aborts one a second later: the fleet kill's cancellation deadlocked with the
+    daemons' batched costs and with the lease renewal under incident load, and reached its
+    daemons 0.42 and 2.2 s after the request. Each such statement locks the sessions by
+    id: with the lowest held elsewhere, it waits for it holding none of the others."""
+    async with start_plane(database_url, tmp_path, SCRIPTED_DAEMON, tick_ms=60_000) as plane, \
+            make_world(plane) as world:
+        agents = [(await world.agent())["id"] for _ in range(5)]
+        for a in agents:
+            await world.task(a, "hold")
+        for a in agents:
+            await world.wait_working(a)
+        rows = await world.db.fetch("SELECT id, agent_id FROM sessions WHERE state='running'")
+        ids = sorted(r["id"] for r in rows)
+        agent_of = {r["id"]: r["agent_id"] for r in rows}
+        run = {
+            "fleet kill": lambda: world.security.post("/api/v1/fleet/kill"),
+            # Highest first: a statement that follows its input's order locks that one first.
+            "costs": lambda: asyncio.gather(*(plane.orch.record_cost.write(
+                agent_of[s], s, 0.01, 1) for s in reversed(ids))),
+            "lease renewal": lambda: plane.orch.renew_leases(list(reversed(ids))),
+        }[statement]
+        async with world.db.acquire() as holder, holder.transaction():
+            await holder.execute("SELECT 1 FROM sessions WHERE id=$1 FOR NO KEY UPDATE", ids[0])
+            under_test = asyncio.ensure_future(run())
+
+            async def waiting() -> bool:
+                return bool(await world.db.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type='Lock'"
+                    " AND datname=current_database()"))
+            await eventually(waiting, 10, f"the {statement} never reached the held session")
+            free = await world.db.fetch(
+                "SELECT id FROM sessions WHERE id = ANY($1::uuid[])"
+                " ORDER BY id FOR NO KEY UPDATE SKIP LOCKED", ids[1:])
+            # (the check's own locks end with its implicit transaction, at once)
+        assert sorted(r["id"] for r in free) == ids[1:], (
+            f"the {statement} held other sessions while it waited for the lowest")
+        await asyncio.wait_for(under_test, 10)
