@@ -578,7 +578,8 @@ async def test_a_statement_on_several_sessions_locks_them_in_the_order_of_their_
     Postgres aborts one a second later: the fleet kill's cancellation deadlocked with the
     daemons' batched costs and with the lease renewal under incident load, and reached its
     daemons 0.42 and 2.2 s after the request. Each such statement locks the sessions by
-    id: with the lowest held elsewhere, it waits for it holding none of the others."""
+    id: with the lowest held elsewhere, it waits for it holding none of the others; with
+    the highest held, it waits for it holding all of the others."""
     async with start_plane(database_url, tmp_path, SCRIPTED_DAEMON, tick_ms=60_000) as plane, \
             make_world(plane) as world:
         agents = [(await world.agent())["id"] for _ in range(5)]
@@ -589,26 +590,43 @@ async def test_a_statement_on_several_sessions_locks_them_in_the_order_of_their_
         rows = await world.db.fetch("SELECT id, agent_id FROM sessions WHERE state='running'")
         ids = sorted(r["id"] for r in rows)
         agent_of = {r["id"]: r["agent_id"] for r in rows}
-        run = {
-            "fleet kill": lambda: world.security.post("/api/v1/fleet/kill"),
-            # Highest first: a statement that follows its input's order locks that one first.
-            "costs": lambda: asyncio.gather(*(plane.orch.record_cost.write(
-                agent_of[s], s, 0.01, 1) for s in reversed(ids))),
-            "lease renewal": lambda: plane.orch.renew_leases(list(reversed(ids))),
+        # Each statement as it reaches the database; the input highest first, for a
+        # statement that would follow its input's order.
+        run, text = {
+            "fleet kill": (lambda: world.security.post("/api/v1/fleet/kill"),
+                           "%covey_switch_flag%"),
+            "costs": (lambda: asyncio.gather(*(plane.orch.record_cost.write(
+                agent_of[s], s, 0.01, 1) for s in reversed(ids))), "%cost_entries%"),
+            "lease renewal": (lambda: plane.orch.renew_leases(list(reversed(ids))),
+                              "%last_seen_at=now()%"),
         }[statement]
-        async with world.db.acquire() as holder, holder.transaction():
-            await holder.execute("SELECT 1 FROM sessions WHERE id=$1 FOR NO KEY UPDATE", ids[0])
-            under_test = asyncio.ensure_future(run())
-
-            async def waiting() -> bool:
-                return bool(await world.db.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type='Lock'"
-                    " AND datname=current_database()"))
-            await eventually(waiting, 10, f"the {statement} never reached the held session")
-            free = await world.db.fetch(
-                "SELECT id FROM sessions WHERE id = ANY($1::uuid[])"
-                " ORDER BY id FOR NO KEY UPDATE SKIP LOCKED", ids[1:])
-            # (the check's own locks end with its implicit transaction, at once)
-        assert sorted(r["id"] for r in free) == ids[1:], (
-            f"the {statement} held other sessions while it waited for the lowest")
-        await asyncio.wait_for(under_test, 10)
+        # The fleet kill is pulled once; the others can be held up at either end.
+        for held, others_free in [(ids[0], True)] + (
+                [] if statement == "fleet kill" else [(ids[-1], False)]):
+            others = [i for i in ids if i != held]
+            async with world.db.acquire() as holder:
+                async with holder.transaction():
+                    await holder.execute(
+                        "SELECT 1 FROM sessions WHERE id=$1 FOR NO KEY UPDATE", held)
+                    under_test = asyncio.ensure_future(run())
+                    try:
+                        async def blocked() -> bool:
+                            return bool(await world.db.fetchval(
+                                "SELECT count(*) FROM pg_stat_activity"
+                                " WHERE $1 = ANY(pg_blocking_pids(pid)) AND query LIKE $2",
+                                holder.get_server_pid(), text))
+                        await eventually(blocked, 10,
+                                         f"the {statement} never waited for the held session")
+                        free = await world.db.fetch(
+                            "SELECT id FROM sessions WHERE id = ANY($1::uuid[])"
+                            " ORDER BY id FOR NO KEY UPDATE SKIP LOCKED", others)
+                    except BaseException:
+                        under_test.cancel()
+                        raise
+                done = await asyncio.wait_for(under_test, 10)
+            assert sorted(r["id"] for r in free) == (others if others_free else []), (
+                f"the {statement} waited for session {held} holding "
+                f"{len(others) - len(free)} of the other {len(others)}: not in id order")
+        if statement == "fleet kill":
+            assert done.status_code == 200, done.text
+            assert len(done.json()["sessions_cancelled"]) == len(ids), done.text
