@@ -121,7 +121,7 @@ def log_audit(action: str, actor: str | None, org_id: UUID | None, target: str,
 # order of their ids, `ids` a query of their ids (a CTE `in_order` of the statement). Each
 # locked them in the order its join happened to produce, and two such statements on the
 # same sessions deadlocked: the fleet kill's cancellation with the daemons' batched costs
-# or with the lease renewal, in 2 of 16 runs of the incident-load game day. Postgres
+# or with the lease renewal, in 2 of 8 runs of main in the incident-load game day. Postgres
 # finds a deadlock after a second (deadlock_timeout) and aborts one side: the fleet kill
 # reached its daemons 0.42 and 2.2 s after the request.
 def sessions_in_order(ids: str) -> str:
