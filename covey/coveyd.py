@@ -239,6 +239,11 @@ class Daemon:
     # Set by a kill or a lapsed lease: the run may not take another step, whatever became
     # of the cancellation sent to it (see `halt_if_stopped`).
     halted: bool = False
+    # A kill on its way (the control plane's `hold`, sent before the kill's flag commits):
+    # no model request or tool call starts until the `kill`, a `release`, or this time
+    # (monotonic) has passed (see `wait_while_held`).
+    held_until: float = 0.0
+    released: asyncio.Event = field(default_factory=asyncio.Event)
     stopped: asyncio.Future[Stop] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
     toolbox: Toolbox = field(init=False)
@@ -352,7 +357,23 @@ class Daemon:
                 else:
                     self.finish("sleep", EXIT_SLEEP, str(payload.get("reason", "")))
                 return
-            if kind == "lease":
+            if kind == "hold":
+                # Capped at a minute whatever it says: a hold is for the time a commit
+                # takes, and the lease stops a daemon whose control plane went quiet.
+                try:
+                    ttl_s = min(max(float(payload.get("ttl_ms", 0)), 0.0) / 1000, 60.0)
+                except (TypeError, ValueError):
+                    ttl_s = 0.0
+                self.held_until = time.monotonic() + ttl_s
+                self.released.clear()
+                log.warning("held: a kill is on its way (%s); nothing starts until it comes",
+                            payload.get("reason", "?"))
+            elif kind == "release":
+                if self.held_until:
+                    log.warning("released: the kill that held this daemon did not stop it")
+                self.held_until = 0.0
+                self.released.set()
+            elif kind == "lease":
                 before = set(self.flag.stopped)
                 self.flag.renew(float(payload.get("ttl_ms", 0)) / 1000,
                                 set(payload.get("stopped", [])))
@@ -436,6 +457,18 @@ class Daemon:
         guard.cost_usd, guard.tokens = self.spent
         return guard
 
+    async def wait_while_held(self) -> None:
+        """Start nothing while a kill holds this daemon: its `kill` cancels the run here,
+        a `release` lets it go on, and so does the hold's end, said in the log."""
+        left = self.held_until - time.monotonic()
+        if left > 0:
+            try:
+                await asyncio.wait_for(self.released.wait(), left)
+            except TimeoutError:
+                log.warning("the hold ran out without a kill or a release; going on")
+                self.held_until = 0.0
+        self.halt_if_stopped()
+
     def halt_if_stopped(self) -> None:
         """A stopped run ends here, before its next model request or tool call. Cancelling
         it is not enough on Python 3.11: a cancellation that lands just as the awaited
@@ -455,7 +488,7 @@ class Daemon:
         ]
         try:
             while True:
-                self.halt_if_stopped()
+                await self.wait_while_held()
                 guard.before_step()
                 # Reserved before it is sent: the call may ask for no more completion than
                 # what is left of the budgets pays for (the ceiling is kept, not alerted on).
@@ -497,7 +530,7 @@ class Daemon:
                     if name == "finish":
                         guard.after_call(name, True, probe)
                         return Outcome(result=str(args.get("result", "")))
-                    self.halt_if_stopped()
+                    await self.wait_while_held()
                     result, ok = await toolbox.run(name, args)
                     guard.after_call(name, ok, probe)
                     await self.send("event", {"kind": "tool", "status": "ok" if ok else "failed",

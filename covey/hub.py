@@ -22,6 +22,7 @@ class DaemonLink:
     session_id: UUID
     agent_id: UUID
     sink: MessageSink
+    org_id: UUID | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # True once the daemon confirmed a kill (`kill_ack`) or its connection is gone; the
     # kill waits that are still counting on it are told then.
@@ -166,6 +167,14 @@ class DaemonHub:
     def session_ids(self) -> list[UUID]:
         return list(self._links)
 
+    def links_of(self, org_id: UUID, agent_id: UUID | None = None) -> list[DaemonLink]:
+        """The daemons connected here that work for this organisation (for this agent of it)."""
+        return [link for link in self._links.values() if link.org_id == org_id
+                and (agent_id is None or link.agent_id == agent_id)]
+
+    def links(self) -> list[DaemonLink]:
+        return list(self._links.values())
+
     def get(self, session_id: UUID) -> DaemonLink | None:
         return self._links.get(session_id)
 
@@ -198,11 +207,12 @@ async def send_to(link: DaemonLink, kind: str, payload: dict[str, Any]) -> bool:
     """Send one frame; False when it did not go out. A `lease` never follows a `kill`: a
     renewal read from the database just before the kill's commit, and sent after the kill
     (or queued behind it on the link's lock), would run a daemon deaf to `kill` a lease
-    past its kill, and past the kill's wait for its confirmation."""
+    past its kill, and past the kill's wait for its confirmation. Nor does a `release`
+    (the end of a kill's hold, covey.switches): one kill's, after another's `kill`."""
     text = json.dumps({"type": kind, "payload": payload}, default=str)
     try:
         async with link.lock:
-            if kind == "lease" and link.kill_sent_ns is not None:
+            if kind in ("lease", "release") and link.kill_sent_ns is not None:
                 return False
             await link.sink.send_text(text)
     except Exception:  # a closed socket: the disconnect handler deals with the session

@@ -15,7 +15,8 @@ kills = Counter("covey_kills_total", "Kill requests", ["scope", "outcome"])
 resumes = Counter("covey_resumes_total", "Resume requests", ["scope", "outcome"])
 kill_stage_seconds = Histogram(
     "covey_kill_stage_seconds",
-    "Time from the kill request to each stage: flag committed, kill sent, tasks requeued",
+    "Time from the kill request to each stage: holds sent, flag committed, kill sent,"
+    " tasks requeued",
     ["scope", "stage"],
     buckets=KILL_BUCKETS,
 )

@@ -291,7 +291,7 @@ async def test_sandboxes_that_do_not_exit_within_the_grace_are_destroyed(
 async def test_no_lease_goes_to_a_daemon_after_its_kill() -> None:
     """A unit of the hub: a renewal read just before a kill's commit and sent after the kill,
     or queued behind it on the link's lock, would extend a deaf daemon's lease past its kill;
-    it is dropped. Other frames still go."""
+    it is dropped, and so is a `release`. Other frames still go."""
     from covey.hub import DaemonHub, DaemonLink
 
     sent: list[str] = []
@@ -315,6 +315,8 @@ async def test_no_lease_goes_to_a_daemon_after_its_kill() -> None:
     assert await kill
     assert await queued is False
     assert await hub.send(link.session_id, "lease", {"ttl_ms": 2000}) is False
+    # Nor the end of another kill's hold (covey.switches._held).
+    assert await hub.send(link.session_id, "release", {}) is False
     assert await hub.send(link.session_id, "sleep", {})
     assert sent == ["lease", "kill", "sleep"]
 

@@ -154,7 +154,7 @@ async def daemon_ws(ws: WebSocket) -> None:
     if session is None:  # the wake writes both rows in one transaction
         await _reject(ws, CLOSE_FORBIDDEN, "Sandbox has no session", "Start it through a wake.")
         return
-    link = DaemonLink(session["id"], agent_id, ws)
+    link = DaemonLink(session["id"], agent_id, ws, org_id=session["org_id"])
     orch.hub.attach(link)
     why = "control channel closed"
     try:
