@@ -86,10 +86,17 @@ class KillSample:
     sent_ns: int  # the control plane's own stamp in the kill message (hub.send_kill)
     received_ns: int  # the daemon's stamp when it read the kill
     sandbox_id: str
+    # The daemon's stamp when it read the kill's `hold`, sent before the flag commits
+    # (covey.switches._held): from then on it starts nothing. None: no hold came.
+    held_ns: int | None = None
 
     @property
     def to_daemon_ms(self) -> float:
         return ms(self.received_ns - self.requested_ns)
+
+    @property
+    def to_held_ms(self) -> float | None:
+        return None if self.held_ns is None else ms(self.held_ns - self.requested_ns)
 
     @property
     def to_open_ms(self) -> float:
@@ -259,10 +266,12 @@ async def wait_in_progress(world: World, held: list[Holding], timeout: float) ->
                 interval=0.05)
 
 
-def kill_heard(plane: Plane, agent_id: str, after_ns: int) -> dict[str, Any] | None:
-    """The daemon's transcript line for the first `kill` it read at or after `after_ns`."""
+def kill_heard(plane: Plane, agent_id: str, after_ns: int, kind: str = "kill"
+               ) -> dict[str, Any] | None:
+    """The daemon's transcript line for the first `kill` (or `kind`) it read at or after
+    `after_ns`."""
     for line in plane.transcript(agent_id):
-        if line["dir"] == "in" and line["type"] == "kill" and line["at_ns"] >= after_ns:
+        if line["dir"] == "in" and line["type"] == kind and line["at_ns"] >= after_ns:
             return line
     return None
 
@@ -359,9 +368,11 @@ async def _agent_kills(world: World, floor: Floor, killer: RawHttp, kills: int, 
             await wait_wakes(world.anonymous, wakes + 1, timeout)
             if await world.task_state(h.task_id) != "open":
                 raise BenchmarkError(f"task {h.task_id} is not open after the kill")
+            hold = kill_heard(world.plane, h.agent_id, requested, "hold")
             kills_done.append(KillSample(requested, responded,
                                          int(heard["payload"]["sent_at_ns"]),
-                                         int(heard["at_ns"]), str(heard["sandbox"])))
+                                         int(heard["at_ns"]), str(heard["sandbox"]),
+                                         None if hold is None else int(hold["at_ns"])))
     stages = stage_means_ms(stages_before, await kill_stage_totals(world.anonymous), "agent")
     killed = [uuid.UUID(str(k.sandbox_id)) for k in kills_done[warmup:]]
     return AgentKillRun(kills_done[warmup:], floors[warmup:], references[warmup:], stages,
@@ -506,6 +517,7 @@ def _agent_figures(report: Report, run: AgentKillRun) -> None:
     report.agent_exit_codes = run.exit_codes
     raw = {
         "kill_to_daemon_ms": [s.to_daemon_ms for s in samples],
+        "kill_to_held_ms": [s.to_held_ms for s in samples if s.to_held_ms is not None],
         "kill_to_open_ms": [s.to_open_ms for s in samples],
         "kill_to_server_send_ms": [s.to_send_ms for s in samples],
         "server_send_to_daemon_ms": [s.delivery_ms for s in samples],
@@ -515,8 +527,8 @@ def _agent_figures(report: Report, run: AgentKillRun) -> None:
         "reference_auth_get_ms": [ms(r.round_trip_ns) for r in references],
     }
     report.raw = raw
-    report.agent_kills = {k: summary(v) for k, v in raw.items() if k.startswith("kill")
-                          or k.startswith("server")}
+    report.agent_kills = {k: summary(v) for k, v in raw.items() if v and (
+        k.startswith("kill") or k.startswith("server"))}
     report.floor = {k: summary(v) for k, v in raw.items() if k.startswith(("floor", "ref"))}
     floor_p50 = report.floor["floor_ms"]["p50"]
     report.ratios = {
@@ -536,6 +548,8 @@ def render(report: Report) -> str:
         lines.append(f"agent kills, n={n} (one at a time)      n     min     p50     p99     max"
                      "   (ms)")
         rows = [("kill -> daemon holds `kill`", report.agent_kills["kill_to_daemon_ms"]),
+                *([("kill -> daemon held (`hold`)", report.agent_kills["kill_to_held_ms"])]
+                  if "kill_to_held_ms" in report.agent_kills else []),
                 ("kill -> task open (response)", report.agent_kills["kill_to_open_ms"]),
                 ("  kill -> server sent `kill`", report.agent_kills["kill_to_server_send_ms"]),
                 ("  server sent -> daemon read", report.agent_kills["server_send_to_daemon_ms"]),

@@ -80,6 +80,10 @@ LEASE_LAPSE_GRACE_S = 0.25
 ENDS_THE_REMOTE_WAIT: tuple[type[Exception], ...] = (
     *UNREACHABLE, asyncpg.InterfaceError, asyncpg.InternalClientError)
 
+# How long a kill spends sending its holds before its flag (see `_held`): a frame waits only
+# when its daemon does not read its channel.
+HOLDS_INLINE_S = 0.02
+
 FLEET_KILLED_TITLE = (
     "The emergency stop was pulled: every agent of this organisation is paused"
 )
@@ -154,20 +158,31 @@ class Switches:
     async def _held(self, scope: str, started: float, links: list[DaemonLink]
                     ) -> AsyncIterator[_Hold]:
         """Hold these daemons while the kill's flag commits: see the module's docstring.
-        The holds are sent beside the flag's round trip, not before it. Whoever of them the
-        kill does not stop in the end (the flag failed; the agent is another's; its session
-        was not live after all) is released, unless it was sent its `kill` meanwhile."""
-        hold = _Hold(links)
+        Whoever of them the kill does not stop in the end (the flag failed; its session was
+        not live after all) is released, unless it was sent its `kill` meanwhile.
 
-        async def send_holds() -> None:
+        The holds go out here, one after the other, before the flag's round trip: tasks
+        spawned for them (asyncio.gather's too) waited their turn behind everything else
+        the loaded loop had ready, and in one game day of eight an agent acted three times
+        in the 14 ms before its hold came. A frame is a write to a socket, done without
+        giving up the loop; twenty cost the flag well under a millisecond. A daemon that
+        does not read its channel makes its frame wait: past HOLDS_INLINE_S those left go
+        out in the background, so that no daemon can hold up a kill."""
+        hold = _Hold(links)
+        if links:
             # For at most a lease: by then the kill has come, or the daemon's lease, which
             # this replica renews only while the flag is not set, stands for the flag.
-            await _send_all(links, "hold", {"reason": "kill-switch",
-                                            "ttl_ms": self.settings.lease_ms})
+            payload = {"reason": "kill-switch", "ttl_ms": self.settings.lease_ms}
+            sent = 0
+            try:
+                async with asyncio.timeout(HOLDS_INLINE_S):
+                    for link in links:
+                        await send_to(link, "hold", payload)
+                        sent += 1
+            except TimeoutError:
+                self.spawn(_send_all(links[sent:], "hold", payload))
             metrics.kill_stage_seconds.labels(scope, "holds_sent").observe(
                 time.perf_counter() - started)
-        if links:
-            self.spawn(send_holds())
         try:
             yield hold
         finally:

@@ -120,3 +120,29 @@ async def test_a_kill_whose_flag_fails_lets_its_agent_go_on(
     assert (await hworld.org_admin.get(f"/api/v1/agents/{agent['id']}")).json()["killed"] \
         is False
     assert "released: the kill that held this daemon did not stop it" in _daemon_log(hworld)
+
+
+async def test_a_daemon_that_does_not_read_its_channel_does_not_hold_up_the_kill(
+        database_url: str, tmp_path: Path) -> None:
+    """The holds go out on the kill's own path, before its flag (covey.switches._held): a
+    channel whose frames never leave (its daemon wedged, its socket's buffer full) must not
+    keep the kill from its flag."""
+    from covey.hub import DaemonLink
+    from covey.testing import SCRIPTED_DAEMON
+
+    class Wedged:
+        async def send_text(self, data: str) -> None:
+            await asyncio.Event().wait()  # never written
+
+    async with start_plane(database_url, tmp_path, SCRIPTED_DAEMON) as plane, \
+            make_world(plane) as world:
+        agent = await world.agent()
+        link = DaemonLink(uuid.uuid4(), uuid.UUID(agent["id"]), Wedged(), org_id=world.org.id)
+        plane.orch.hub.attach(link)
+        try:
+            r = await asyncio.wait_for(
+                world.security.post(f"/api/v1/agents/{agent['id']}/kill"), 20)
+        finally:
+            plane.orch.hub.detach(link.session_id)
+        assert r.status_code == 200, r.text
+        assert (await world.org_admin.get(f"/api/v1/agents/{agent['id']}")).json()["killed"]
