@@ -30,7 +30,7 @@ from harness.stack.postgres import database_of_its_own
 from harness.stack.postgres import postgres_server as postgres_server  # the benchmarks' server
 
 REPO = Path(__file__).resolve().parent.parent
-STAGES = ("flag_committed", "kill_sent", "requeued")
+STAGES = ("holds_sent", "flag_committed", "kill_sent", "requeued")
 
 
 class BenchmarkError(RuntimeError):

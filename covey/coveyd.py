@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import random
 import sys
@@ -87,6 +88,8 @@ DEFAULT_MODEL_URL = DAEMON_DEFAULT_MODEL_URL
 # every try: the task is blocked with the endpoint's own words, not retried.
 RETRIED_STATUSES = frozenset({408, 429})
 BACKOFF_CAP_S = 30.0
+# The longest a kill's `hold` stands, whatever it says (see `hold_seconds`).
+HOLD_CAP_S = 60.0
 
 SYSTEM_PROMPT = (
     "You are an agent working one task in a sandbox. Use the tools; call finish with the "
@@ -239,11 +242,12 @@ class Daemon:
     # Set by a kill or a lapsed lease: the run may not take another step, whatever became
     # of the cancellation sent to it (see `halt_if_stopped`).
     halted: bool = False
-    # A kill on its way (the control plane's `hold`, sent before the kill's flag commits):
-    # no model request or tool call starts until the `kill`, a `release`, or this time
-    # (monotonic) has passed (see `wait_while_held`).
-    held_until: float = 0.0
-    released: asyncio.Event = field(default_factory=asyncio.Event)
+    # Kills on their way (the control plane's `hold`s, sent before each kill's flag
+    # commits), by the hold's id: until when (monotonic) each stands. No model request or
+    # tool call starts while one stands (see `wait_while_held`): until the `kill`, the
+    # hold's `release`, or its end. One kill's release leaves another's hold standing.
+    holds: dict[str, float] = field(default_factory=dict)
+    holds_changed: asyncio.Event = field(default_factory=asyncio.Event)
     stopped: asyncio.Future[Stop] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
     toolbox: Toolbox = field(init=False)
@@ -358,21 +362,15 @@ class Daemon:
                     self.finish("sleep", EXIT_SLEEP, str(payload.get("reason", "")))
                 return
             if kind == "hold":
-                # Capped at a minute whatever it says: a hold is for the time a commit
-                # takes, and the lease stops a daemon whose control plane went quiet.
-                try:
-                    ttl_s = min(max(float(payload.get("ttl_ms", 0)), 0.0) / 1000, 60.0)
-                except (TypeError, ValueError):
-                    ttl_s = 0.0
-                self.held_until = time.monotonic() + ttl_s
-                self.released.clear()
+                hold_id = str(payload.get("id", ""))
+                self.holds[hold_id] = time.monotonic() + hold_seconds(payload.get("ttl_ms"))
+                self.holds_changed.set()
                 log.warning("held: a kill is on its way (%s); nothing starts until it comes",
                             payload.get("reason", "?"))
             elif kind == "release":
-                if self.held_until:
+                if self.holds.pop(str(payload.get("id", "")), None) is not None:
                     log.warning("released: the kill that held this daemon did not stop it")
-                self.held_until = 0.0
-                self.released.set()
+                    self.holds_changed.set()
             elif kind == "lease":
                 before = set(self.flag.stopped)
                 self.flag.renew(float(payload.get("ttl_ms", 0)) / 1000,
@@ -458,15 +456,20 @@ class Daemon:
         return guard
 
     async def wait_while_held(self) -> None:
-        """Start nothing while a kill holds this daemon: its `kill` cancels the run here,
-        a `release` lets it go on, and so does the hold's end, said in the log."""
-        left = self.held_until - time.monotonic()
-        if left > 0:
-            try:
-                await asyncio.wait_for(self.released.wait(), left)
-            except TimeoutError:
-                log.warning("the hold ran out without a kill or a release; going on")
-                self.held_until = 0.0
+        """Start nothing while a kill holds this daemon: its `kill` cancels the run here;
+        the run goes on once no hold stands, each released or ended (said in the log)."""
+        while self.holds:
+            now = time.monotonic()
+            for hold_id, until in list(self.holds.items()):
+                if until <= now:
+                    del self.holds[hold_id]
+                    log.warning("a hold ran out without a kill or a release")
+            if not self.holds:
+                break
+            self.holds_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.holds_changed.wait(),
+                                       min(self.holds.values()) - now)
         self.halt_if_stopped()
 
     def halt_if_stopped(self) -> None:
@@ -561,7 +564,8 @@ class Daemon:
         attempt = 0
         while True:
             if attempt:
-                self.halt_if_stopped()  # a kill during the pause ends the retries
+                # A kill during the pause ends the retries; a hold keeps them back.
+                await self.wait_while_held()
             retry_after: float | None = None
             try:
                 # Stamped as late as this daemon can: from here to the wire there is only the
@@ -605,6 +609,20 @@ class Daemon:
                                             f"usable completion: {type(exc).__name__}: {exc}"
                              ) from None
         return reply
+
+
+def hold_seconds(ttl_ms: Any) -> float:
+    """How long a `hold` stands: its `ttl_ms`, at most a minute (a hold is for the time a
+    kill's commit takes; a daemon whose control plane went quiet stops by its lease). One
+    that cannot be read (not a number, not finite) stands the minute: a hold is the safe
+    side. A negative one does not stand."""
+    try:
+        ttl = float(ttl_ms)
+    except (TypeError, ValueError):
+        return HOLD_CAP_S
+    if not math.isfinite(ttl):
+        return HOLD_CAP_S
+    return min(max(ttl, 0.0) / 1000, HOLD_CAP_S)
 
 
 def _seconds(value: str | None) -> float | None:

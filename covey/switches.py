@@ -8,10 +8,11 @@ confirmations of daemons another replica holds (`_confirmed_elsewhere`, `deliver
 
 Before all that, a kill holds its daemons (`_held`): a `hold` goes out to every daemon
 connected here that the kill will stop, the moment the request is in, and the daemon starts
-no model request or tool call until its `kill` (or a `release`, should the flag not be
-committed). The contract's order stands: the `kill` itself goes out only after the flag is
-committed. The hold covers the time the commit takes, 10-40 ms on a loaded host, in which the
-fastest agents of the incident-load game day acted twice.
+no model request or tool call until its `kill`, or a `release` if the committed flag did not
+stop it after all, or the hold's end (a lease). The contract's order stands: the `kill`
+itself goes out only after the flag is committed. The hold covers the time the commit takes,
+10-40 ms on a loaded host, in which the fastest agents of the incident-load game day acted
+twice.
 
 The switches run on a lane of their own (`switch_pool`, covey.admission): no read can take
 the connections a kill needs. The lock order they share with every wake is described at the
@@ -80,8 +81,8 @@ LEASE_LAPSE_GRACE_S = 0.25
 ENDS_THE_REMOTE_WAIT: tuple[type[Exception], ...] = (
     *UNREACHABLE, asyncpg.InterfaceError, asyncpg.InternalClientError)
 
-# How long a kill spends sending its holds before its flag (see `_held`): a frame waits only
-# when its daemon does not read its channel.
+# How long a kill spends sending its holds before its flag, at most (see `_held`): a few
+# microseconds a frame, unless its daemon does not read its channel.
 HOLDS_INLINE_S = 0.02
 
 FLEET_KILLED_TITLE = (
@@ -158,36 +159,43 @@ class Switches:
     async def _held(self, scope: str, started: float, links: list[DaemonLink]
                     ) -> AsyncIterator[_Hold]:
         """Hold these daemons while the kill's flag commits: see the module's docstring.
-        Whoever of them the kill does not stop in the end (the flag failed; its session was
-        not live after all) is released, unless it was sent its `kill` meanwhile.
+        Once the flag has committed, whoever of them it did not stop (its session was not
+        live after all) is released, unless it was sent a `kill` meanwhile. A kill whose
+        flag failed releases nobody: it may have committed all the same (a connection that
+        broke after the commit), and its holds end by themselves within a lease.
 
         The holds go out here, one after the other, before the flag's round trip: tasks
         spawned for them (asyncio.gather's too) waited their turn behind everything else
-        the loaded loop had ready, and in one game day of eight an agent acted three times
-        in the 14 ms before its hold came. A frame is a write to a socket, done without
-        giving up the loop; twenty cost the flag well under a millisecond. A daemon that
-        does not read its channel makes its frame wait: past HOLDS_INLINE_S those left go
-        out in the background, so that no daemon can hold up a kill."""
-        hold = _Hold(links)
+        the loaded loop had ready, and in one game day of eight with them so sent an agent
+        acted three times in the 14 ms after the request. A frame is a write to a socket,
+        done without giving up the loop. They take at most HOLDS_INLINE_S of the kill's
+        path, a daemon that does not read its channel (its frame waits) included: those
+        left then go out in the background."""
+        holding = _Hold(links, uuid4().hex)
         if links:
             # For at most a lease: by then the kill has come, or the daemon's lease, which
             # this replica renews only while the flag is not set, stands for the flag.
-            payload = {"reason": "kill-switch", "ttl_ms": self.settings.lease_ms}
+            payload = {"id": holding.id, "reason": "kill-switch",
+                       "ttl_ms": self.settings.lease_ms}
+            deadline = time.monotonic() + HOLDS_INLINE_S
             sent = 0
-            try:
-                async with asyncio.timeout(HOLDS_INLINE_S):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(asyncio.get_running_loop().time()
+                                              + HOLDS_INLINE_S):
                     for link in links:
+                        if time.monotonic() > deadline:
+                            break
                         await send_to(link, "hold", payload)
                         sent += 1
-            except TimeoutError:
+            if sent < len(links):
                 self.spawn(_send_all(links[sent:], "hold", payload))
             metrics.kill_stage_seconds.labels(scope, "holds_sent").observe(
                 time.perf_counter() - started)
         try:
-            yield hold
-        finally:
-            if rest := hold.not_killed():
-                self.spawn(_send_all(rest, "release", {}))
+            yield holding
+        finally:  # a step after the flag that failed leaves its flag committed
+            if rest := holding.not_killed():
+                self.spawn(_send_all(rest, "release", {"id": holding.id}))
 
     async def _switch(self, conn: Connection, body: Callable[[Connection], Awaitable[T]],
                       scope: str, started: float, statement: bool = False) -> T:
@@ -226,7 +234,7 @@ class Switches:
         # must not wait for a second pool connection while it holds one (a hundred kills
         # at once emptied the pool that way), nor queue for its requeue behind the
         # statements of the very exits it caused (a fleet kill causes hundreds at once).
-        async with self._held("agent", started, self.hub.links_of(org_id, agent_id)) as held, \
+        async with self._held("agent", started, self.hub.links_of(org_id, agent_id)) as holding, \
                 self.switch_pool.acquire() as conn:
             # The agent's row locked, then one statement on a snapshot taken under the
             # lock, so that it sees a session a wake committed while the kill waited.
@@ -262,7 +270,7 @@ class Switches:
                 """,
                 (agent_id, org_id, actor_id, origin, reason,
                  status_event(org_id, agent_id, "killed")[1]))
-            held.killing(rows)
+            holding.killing(rows)
             agent = next((r for r in rows if r["what"] == "agent"), None)
             if agent is None:
                 return None
@@ -286,7 +294,7 @@ class Switches:
         """DESIGN §2.3 line 2: the org flag, then every agent's kill, in one commit."""
         started = time.perf_counter() if started is None else started
 
-        async with self._held("fleet", started, self.hub.links_of(org_id)) as held, \
+        async with self._held("fleet", started, self.hub.links_of(org_id)) as holding, \
                 self.switch_pool.acquire() as conn:  # one connection, as in kill_agent
             # One statement after the locks, as in kill_agent: every agent's, then the
             # organisation's (the one lock order).
@@ -329,7 +337,7 @@ class Switches:
                 FROM prev, announced, statuses
                 """,
                 (org_id, actor_id, None, reason, FLEET_KILLED_TITLE, None))
-            held.killing(rows)
+            holding.killing(rows)
             org = next((r for r in rows if r["what"] == "org"), None)
             was = bool(org is not None and org["flag"])
             agents = [r["id"] for r in rows if r["what"] == "newly"]
@@ -677,10 +685,10 @@ class Switches:
                             {"reason": reason, "sessions": len(live)})
             return inserted is None, live
 
-        async with self._held("global", started, self.hub.links()) as held, \
+        async with self._held("global", started, self.hub.links()) as holding, \
                 self.switch_pool.acquire() as conn:  # one connection, as in kill_agent
             was, live = await self._switch(conn, flag, "global", started)
-            held.killing(live)
+            holding.killing(live)
             report = KillReport(already_killed=was)
             # A global stop holds every agent: a repeat finishes what one cut short left.
             evicted = await self._stop_sessions(conn, "global", live, [], started, report,
@@ -731,11 +739,13 @@ class Switches:
 
 
 class _Hold:
-    """The daemons a kill held, and the sessions its flag cancelled (`killing`)."""
+    """One kill's hold: the daemons it held, and the sessions its flag cancelled once it
+    has committed (`killing`)."""
 
-    def __init__(self, links: list[DaemonLink]) -> None:
+    def __init__(self, links: list[DaemonLink], hold_id: str) -> None:
         self.links = links
-        self.cancelled: set[UUID] = set()
+        self.id = hold_id
+        self.cancelled: set[UUID] | None = None  # None: the flag has not committed
 
     def killing(self, rows: list[asyncpg.Record]) -> None:
         """The flag's rows: its live sessions (those whose `kill` follows) are the ones it
@@ -743,7 +753,11 @@ class _Hold:
         self.cancelled = {r["id"] for r in rows if r.get("what", "live") == "live"}
 
     def not_killed(self) -> list[DaemonLink]:
-        return [link for link in self.links if link.session_id not in self.cancelled]
+        """Those to release: none before the flag has committed."""
+        cancelled = self.cancelled
+        if cancelled is None:
+            return []
+        return [link for link in self.links if link.session_id not in cancelled]
 
 
 async def _send_all(links: list[DaemonLink], kind: str, payload: dict[str, Any]) -> None:

@@ -1,13 +1,14 @@
 """A kill holds its daemons while its flag commits (covey.switches, `_held`): under incident
 load the commit took 10-40 ms, and the fastest agents of the game day acted twice in it. The
 `kill` itself still goes out only after the commit (DESIGN §2.3 line 1); a kill whose flag
-fails lets its daemons go on. Real control plane, real `coveyd`, the puppet model; the kill's
-flag is kept from committing by a transaction holding the agent's row, as a wake or another
-kill would."""
+failed holds them until the hold ends. Real control plane, real `coveyd`, the puppet model;
+the kill's flag is kept from committing by a transaction holding the agent's row, as a wake
+or another kill would."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,10 +18,12 @@ from typing import Any
 import asyncpg
 import pytest
 
+from covey.coveyd import HOLD_CAP_S, hold_seconds
 from covey.testing.plane import World, make_world, start_plane
 from harness.act.puppet import Puppet
 from harness.stack.waiting import eventually
 from tests.conftest import COVEYD
+from tests.test_tool_cut import _send, _stand_in_plane, _start_daemon
 
 # The puppet's `silent` agent acts every 0.2-0.3 s (a `sleep 0.2` a step): left alone it
 # would ask its model five times or more in this window.
@@ -30,8 +33,10 @@ WINDOW_S = 1.5
 @pytest.fixture
 async def hworld(database_url: str, tmp_path: Path,
                  model: tuple[str, Puppet]) -> AsyncIterator[World]:
-    async with start_plane(database_url, tmp_path, COVEYD, model_url=model[0]) as plane, \
-            make_world(plane) as world:
+    # A hold stands a lease: ten seconds, so that it cannot run out in the window below
+    # however long the flag takes to be seen waiting on a loaded host.
+    async with start_plane(database_url, tmp_path, COVEYD, model_url=model[0],
+                           lease_ms=10_000) as plane, make_world(plane) as world:
         yield world
 
 
@@ -92,34 +97,53 @@ async def test_a_kill_holds_its_agent_before_its_flag_commits(
     assert "obeyed a kill message" in log, log
 
 
-async def test_a_kill_whose_flag_fails_lets_its_agent_go_on(
-        hworld: World, model: tuple[str, Puppet]) -> None:
+async def test_a_kill_whose_flag_failed_holds_its_agent_until_the_hold_ends(
+        database_url: str, tmp_path: Path, model: tuple[str, Puppet]) -> None:
+    """A kill whose flag failed does not release its agent: its flag may have committed all
+    the same (the connection broke after the commit), and the hold is the safe side. The
+    agent goes on once its hold ends, a lease after it came."""
     puppet = model[1]
-    agent = await _acting(hworld, puppet)
-    async with hworld.db.acquire() as holder:
-        async with holder.transaction():
-            await holder.execute("SELECT 1 FROM agents WHERE id=$1 FOR NO KEY UPDATE",
-                                 uuid.UUID(agent["id"]))
-            kill = asyncio.ensure_future(
-                hworld.security.post(f"/api/v1/agents/{agent['id']}/kill"))
-            try:
-                pid = await _flag_waiting(hworld, holder)
-                # The database drops the kill's connection under it.
-                assert await hworld.db.fetchval("SELECT pg_terminate_backend($1)", pid)
-                r = await asyncio.wait_for(kill, 20)
-            except BaseException:
-                kill.cancel()
-                raise
-    assert r.status_code == 503, r.text
-    assert set(r.json()) >= {"error", "hint"}, r.text
-    failed_ns = time.time_ns()
+    lease_s = 2.0
+    async with start_plane(database_url, tmp_path, COVEYD, model_url=model[0],
+                           lease_ms=int(lease_s * 1000)) as plane, \
+            make_world(plane) as world:
+        agent = await _acting(world, puppet)
+        async with world.db.acquire() as holder:
+            async with holder.transaction():
+                await holder.execute("SELECT 1 FROM agents WHERE id=$1 FOR NO KEY UPDATE",
+                                     uuid.UUID(agent["id"]))
+                requested_ns = time.time_ns()
+                kill = asyncio.ensure_future(
+                    world.security.post(f"/api/v1/agents/{agent['id']}/kill"))
+                try:
+                    pid = await _flag_waiting(world, holder)
+                    # The database drops the kill's connection under it.
+                    assert await world.db.fetchval("SELECT pg_terminate_backend($1)", pid)
+                    r = await asyncio.wait_for(kill, 20)
+                except BaseException:
+                    kill.cancel()
+                    raise
+        assert r.status_code == 503, r.text
+        assert set(r.json()) >= {"error", "hint"}, r.text
+        assert (await world.org_admin.get(f"/api/v1/agents/{agent['id']}")).json()[
+            "killed"] is False
 
-    async def going_on() -> bool:
-        return sum(1 for a in puppet.actions(agent["id"]) if a.at_ns > failed_ns) >= 2
-    await eventually(going_on, 10, "the agent held by a kill that failed never went on")
-    assert (await hworld.org_admin.get(f"/api/v1/agents/{agent['id']}")).json()["killed"] \
-        is False
-    assert "released: the kill that held this daemon did not stop it" in _daemon_log(hworld)
+        def after_the_kill() -> list[int]:
+            return sorted(a.sent_ns for a in puppet.actions(agent["id"])
+                          if a.sent_ns is not None and a.sent_ns > requested_ns)
+
+        async def going_on() -> bool:
+            return len(after_the_kill()) >= 3
+        await eventually(going_on, 20, "the agent never went on after its hold ended")
+        # One request may have been on its way when the hold came; the next waited for
+        # the hold's end, a lease after it came (and it came after the request).
+        second = after_the_kill()[1]
+        assert second - requested_ns >= (lease_s - 0.05) * 1e9, (
+            f"the agent asked its model {(second - requested_ns) / 1e6:.0f} ms after the "
+            f"kill's request: its hold of {lease_s} s did not stand")
+        log = _daemon_log(world)
+        assert "a hold ran out without a kill or a release" in log, log
+        assert "released:" not in log, log
 
 
 async def test_a_daemon_that_does_not_read_its_channel_does_not_hold_up_the_kill(
@@ -130,9 +154,13 @@ async def test_a_daemon_that_does_not_read_its_channel_does_not_hold_up_the_kill
     from covey.hub import DaemonLink
     from covey.testing import SCRIPTED_DAEMON
 
+    gate = asyncio.Event()
+    tried: list[str] = []
+
     class Wedged:
         async def send_text(self, data: str) -> None:
-            await asyncio.Event().wait()  # never written
+            tried.append(json.loads(data)["type"])
+            await gate.wait()  # not written until the test ends
 
     async with start_plane(database_url, tmp_path, SCRIPTED_DAEMON) as plane, \
             make_world(plane) as world:
@@ -143,6 +171,60 @@ async def test_a_daemon_that_does_not_read_its_channel_does_not_hold_up_the_kill
             r = await asyncio.wait_for(
                 world.security.post(f"/api/v1/agents/{agent['id']}/kill"), 20)
         finally:
+            gate.set()  # what waited on the channel goes now, and ends with the test
             plane.orch.hub.detach(link.session_id)
         assert r.status_code == 200, r.text
+        assert tried and tried[0] == "hold", f"the kill never tried to hold the daemon: {tried}"
         assert (await world.org_admin.get(f"/api/v1/agents/{agent['id']}")).json()["killed"]
+
+
+@pytest.mark.parametrize(("ttl_ms", "seconds"), [
+    (1500, 1.5), (0, 0.0), (-5, 0.0), (10**9, HOLD_CAP_S), ("2000", 2.0),
+    (float("nan"), HOLD_CAP_S), (float("inf"), HOLD_CAP_S), ("soon", HOLD_CAP_S),
+    (None, HOLD_CAP_S), ([1], HOLD_CAP_S)])
+def test_a_hold_that_cannot_be_read_stands_its_longest(ttl_ms: object, seconds: float) -> None:
+    assert hold_seconds(ttl_ms) == seconds
+
+
+async def test_one_kills_release_leaves_anothers_hold_standing(
+        tmp_path: Path, model: tuple[str, Puppet]) -> None:
+    """Two kills hold the same daemon (an agent kill and its fleet's, at once): the one that
+    does not stop it releases its own hold only. The real `coveyd` against a stand-in
+    control plane."""
+    puppet = model[1]
+    agent_id = str(uuid.uuid4())
+    async with _stand_in_plane() as (ws_url, connections, _heard):
+        proc = await _start_daemon(ws_url, model[0], tmp_path / "home", agent_id)
+        try:
+            ws = await asyncio.wait_for(connections.get(), 20)
+            await _send(ws, "inject_config", {"agent_id": agent_id, "org_id": str(uuid.uuid4()),
+                                              "model": "puppet", "budget_usd": 1.0,
+                                              "max_turns": 1000})
+            await _send(ws, "lease", {"ttl_ms": 60_000, "stopped": []})
+            await _send(ws, "assign_task", {"task_id": str(uuid.uuid4()), "fencing_token": 1,
+                                            "title": "t", "body": "model:silent"})
+
+            async def acting() -> bool:
+                return len(puppet.actions(agent_id)) >= 2
+            await eventually(acting, 20, "the daemon never got going")
+            for hold_id in ("agent-kill", "fleet-kill"):
+                await _send(ws, "hold", {"id": hold_id, "reason": "kill-switch",
+                                         "ttl_ms": 60_000})
+            await _send(ws, "release", {"id": "agent-kill"})
+            before = len(puppet.actions(agent_id))
+            # A window in which a free agent (a step every 0.2-0.3 s) asks several times.
+            await asyncio.sleep(WINDOW_S)
+            during = len(puppet.actions(agent_id)) - before
+            assert during <= 1, (f"the agent asked its model {during} times in {WINDOW_S} s "
+                                 "with the fleet kill's hold standing")
+            await _send(ws, "release", {"id": "fleet-kill"})
+
+            async def going_on() -> bool:
+                return len(puppet.actions(agent_id)) >= before + during + 2
+            await eventually(going_on, 10, "the agent never went on once both were released")
+            await _send(ws, "kill", {"reason": "kill-switch"})
+            assert await asyncio.wait_for(proc.wait(), 10) == 3
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()

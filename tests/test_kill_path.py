@@ -556,21 +556,25 @@ async def test_a_fleet_kills_requeue_wakes_none_of_its_stopped_agents(world: Wor
 
 
 async def test_open_work_written_by_anyone_still_wakes_an_agent_that_may_run(
-        world: World) -> None:
+        database_url: str, tmp_path: Path) -> None:
     """The other side of the look: work written straight into the table (an operator with
-    psql) still wakes its agent through the NOTIFY, at once."""
-    agent = await world.agent()
-    aid = uuid.UUID(agent["id"])
-    woken = _notify_wakes_of(world, {aid})
-    try:
-        task_id = await world.db.fetchval(
-            "INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin)"
-            " VALUES ($1, $2, $3, 't', 'hold', 'api') RETURNING id",
-            uuid.uuid4(), world.org.id, aid)
-        await world.wait_task(str(task_id), "in_progress")
-    finally:
-        del world.plane.orch.wake  # type: ignore[method-assign]
-    assert woken == [aid], f"the agent was woken {woken} from its NOTIFY, not once"
+    psql) still wakes its agent through the NOTIFY, at once. On a plane of its own whose
+    scheduler does not come round in the test: the shared plane's tick (300 ms) now and
+    then started the agent first, and the NOTIFY's look then rightly left it out."""
+    async with start_plane(database_url, tmp_path, SCRIPTED_DAEMON, tick_ms=60_000) as plane, \
+            make_world(plane) as world:
+        agent = await world.agent()
+        aid = uuid.UUID(agent["id"])
+        woken = _notify_wakes_of(world, {aid})
+        try:
+            task_id = await world.db.fetchval(
+                "INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin)"
+                " VALUES ($1, $2, $3, 't', 'hold', 'api') RETURNING id",
+                uuid.uuid4(), world.org.id, aid)
+            await world.wait_task(str(task_id), "in_progress")
+        finally:
+            del world.plane.orch.wake  # type: ignore[method-assign]
+        assert woken == [aid], f"the agent was woken {woken} from its NOTIFY, not once"
 
 
 @pytest.mark.parametrize("statement", ["fleet kill", "costs", "lease renewal"])
