@@ -459,6 +459,7 @@ class Daemon:
         """Start nothing while a kill holds this daemon: its `kill` cancels the run here;
         the run goes on once no hold stands, each released or ended (said in the log)."""
         while self.holds:
+            self.halt_if_stopped()  # a kill whose cancellation a wait_for swallowed
             now = time.monotonic()
             for hold_id, until in list(self.holds.items()):
                 if until <= now:
@@ -614,11 +615,11 @@ class Daemon:
 def hold_seconds(ttl_ms: Any) -> float:
     """How long a `hold` stands: its `ttl_ms`, at most a minute (a hold is for the time a
     kill's commit takes; a daemon whose control plane went quiet stops by its lease). One
-    that cannot be read (not a number, not finite) stands the minute: a hold is the safe
-    side. A negative one does not stand."""
+    that cannot be read (not a number, not finite, -inf too, or too large for a float)
+    stands the minute: a hold is the safe side. A negative number does not stand."""
     try:
         ttl = float(ttl_ms)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return HOLD_CAP_S
     if not math.isfinite(ttl):
         return HOLD_CAP_S

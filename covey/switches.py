@@ -159,8 +159,8 @@ class Switches:
     async def _held(self, scope: str, started: float, links: list[DaemonLink]
                     ) -> AsyncIterator[_Hold]:
         """Hold these daemons while the kill's flag commits: see the module's docstring.
-        Once the flag has committed, whoever of them it did not stop (its session was not
-        live after all) is released, unless it was sent a `kill` meanwhile. A kill whose
+        As soon as the flag has committed, whoever of them it did not stop (its session was
+        not live after all) is released, unless it was sent a `kill` meanwhile. A kill whose
         flag failed releases nobody: it may have committed all the same (a connection that
         broke after the commit), and its holds end by themselves within a lease.
 
@@ -171,7 +171,7 @@ class Switches:
         done without giving up the loop. They take at most HOLDS_INLINE_S of the kill's
         path, a daemon that does not read its channel (its frame waits) included: those
         left then go out in the background."""
-        holding = _Hold(links, uuid4().hex)
+        holding = _Hold(links, uuid4().hex, self._release)
         if links:
             # For at most a lease: by then the kill has come, or the daemon's lease, which
             # this replica renews only while the flag is not set, stands for the flag.
@@ -191,11 +191,11 @@ class Switches:
                 self.spawn(_send_all(links[sent:], "hold", payload))
             metrics.kill_stage_seconds.labels(scope, "holds_sent").observe(
                 time.perf_counter() - started)
-        try:
-            yield holding
-        finally:  # a step after the flag that failed leaves its flag committed
-            if rest := holding.not_killed():
-                self.spawn(_send_all(rest, "release", {"id": holding.id}))
+        yield holding
+
+    def _release(self, links: list[DaemonLink], hold_id: str) -> None:
+        if links:
+            self.spawn(_send_all(links, "release", {"id": hold_id}))
 
     async def _switch(self, conn: Connection, body: Callable[[Connection], Awaitable[T]],
                       scope: str, started: float, statement: bool = False) -> T:
@@ -739,25 +739,21 @@ class Switches:
 
 
 class _Hold:
-    """One kill's hold: the daemons it held, and the sessions its flag cancelled once it
-    has committed (`killing`)."""
+    """One kill's hold: the daemons it held, released (`release`) as soon as its flag has
+    committed (`killing`) if the flag did not stop them after all."""
 
-    def __init__(self, links: list[DaemonLink], hold_id: str) -> None:
+    def __init__(self, links: list[DaemonLink], hold_id: str,
+                 release: Callable[[list[DaemonLink], str], None]) -> None:
         self.links = links
         self.id = hold_id
-        self.cancelled: set[UUID] | None = None  # None: the flag has not committed
+        self._release = release
 
     def killing(self, rows: list[asyncpg.Record]) -> None:
-        """The flag's rows: its live sessions (those whose `kill` follows) are the ones it
-        cancelled; a row of another kind has no session."""
-        self.cancelled = {r["id"] for r in rows if r.get("what", "live") == "live"}
-
-    def not_killed(self) -> list[DaemonLink]:
-        """Those to release: none before the flag has committed."""
-        cancelled = self.cancelled
-        if cancelled is None:
-            return []
-        return [link for link in self.links if link.session_id not in cancelled]
+        """The flag has committed, with these rows: its live sessions (those whose `kill`
+        follows) are the ones it cancelled; a row of another kind has no session."""
+        cancelled = {r["id"] for r in rows if r.get("what", "live") == "live"}
+        self._release([link for link in self.links if link.session_id not in cancelled],
+                      self.id)
 
 
 async def _send_all(links: list[DaemonLink], kind: str, payload: dict[str, Any]) -> None:

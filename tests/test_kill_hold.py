@@ -8,6 +8,7 @@ or another kill would."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
@@ -128,19 +129,22 @@ async def test_a_kill_whose_flag_failed_holds_its_agent_until_the_hold_ends(
         assert (await world.org_admin.get(f"/api/v1/agents/{agent['id']}")).json()[
             "killed"] is False
 
-        def after_the_kill() -> list[int]:
+        def sent() -> list[int]:
             return sorted(a.sent_ns for a in puppet.actions(agent["id"])
-                          if a.sent_ns is not None and a.sent_ns > requested_ns)
+                          if a.sent_ns is not None)
 
         async def going_on() -> bool:
-            return len(after_the_kill()) >= 3
+            return sum(1 for t in sent() if t > requested_ns) >= 3
         await eventually(going_on, 20, "the agent never went on after its hold ended")
-        # One request may have been on its way when the hold came; the next waited for
-        # the hold's end, a lease after it came (and it came after the request).
-        second = after_the_kill()[1]
-        assert second - requested_ns >= (lease_s - 0.05) * 1e9, (
-            f"the agent asked its model {(second - requested_ns) / 1e6:.0f} ms after the "
-            f"kill's request: its hold of {lease_s} s did not stand")
+        # The agent asks every 0.2-0.3 s; its hold stood a lease from whenever it was read
+        # (a request or two may have left before that, on a loaded host): from the last
+        # request before the kill on, one pause between two requests is as long as a lease.
+        times = sent()
+        times = times[max(0, sum(1 for t in times if t <= requested_ns) - 1):]
+        pause_s = max(b - a for a, b in itertools.pairwise(times)) / 1e9
+        assert pause_s >= lease_s - 0.05, (
+            f"the agent's longest pause after the kill's request was {pause_s:.2f} s: its "
+            f"hold of {lease_s} s did not stand")
         log = _daemon_log(world)
         assert "a hold ran out without a kill or a release" in log, log
         assert "released:" not in log, log
@@ -222,6 +226,15 @@ async def test_one_kills_release_leaves_anothers_hold_standing(
             async def going_on() -> bool:
                 return len(puppet.actions(agent_id)) >= before + during + 2
             await eventually(going_on, 10, "the agent never went on once both were released")
+            # A stale release and a new hold read in one burst: the hold stands.
+            await _send(ws, "release", {"id": "fleet-kill"})
+            await _send(ws, "hold", {"id": "global-stop", "reason": "kill-switch",
+                                     "ttl_ms": 60_000})
+            before = len(puppet.actions(agent_id))
+            await asyncio.sleep(WINDOW_S)
+            during = len(puppet.actions(agent_id)) - before
+            assert during <= 1, (f"the agent asked its model {during} times in {WINDOW_S} s "
+                                 "with a hold that came after a stale release")
             await _send(ws, "kill", {"reason": "kill-switch"})
             assert await asyncio.wait_for(proc.wait(), 10) == 3
         finally:
