@@ -6,7 +6,7 @@ for the daemons' confirmations (`_await_stopped`), with the second line behind t
 daemon that does not acknowledge in time (`_second_line`, `_tear_down_once`) and the
 confirmations of daemons another replica holds (`_confirmed_elsewhere`, `deliver_kills`).
 
-Before all that, a kill holds its daemons (`_held`): a `hold` goes out to every daemon
+Before all that, a kill holds its daemons (`_hold`, `_unhold`): a `hold` goes out to every daemon
 connected here that the kill will stop, the moment the request is in, and the daemon starts
 no model request or tool call until its `kill`, or a `release` if the committed flag did not
 stop it after all, or the hold's end (a lease). The contract's order stands: the `kill`
@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -81,7 +81,7 @@ LEASE_LAPSE_GRACE_S = 0.25
 ENDS_THE_REMOTE_WAIT: tuple[type[Exception], ...] = (
     *UNREACHABLE, asyncpg.InterfaceError, asyncpg.InternalClientError)
 
-# How long a kill spends sending its holds before its flag, at most (see `_held`): a few
+# How long a kill spends sending its holds before its flag, at most (see `_hold`): a few
 # microseconds a frame, unless its daemon does not read its channel.
 HOLDS_INLINE_S = 0.02
 
@@ -155,14 +155,13 @@ class Switches:
         def spawn(self, coro: Awaitable[Any]) -> None: ...
 
 
-    @contextlib.asynccontextmanager
-    async def _held(self, scope: str, started: float, links: list[DaemonLink]
-                    ) -> AsyncIterator[_Hold]:
+    async def _hold(self, scope: str, started: float, links: list[DaemonLink]) -> _Hold:
         """Hold these daemons while the kill's flag commits: see the module's docstring.
-        As soon as the flag has committed, whoever of them it did not stop (its session was
-        not live after all) is released, unless it was sent a `kill` meanwhile. A kill whose
-        flag failed releases nobody: it may have committed all the same (a connection that
-        broke after the commit), and its holds end by themselves within a lease.
+        As soon as the flag has committed, `_unhold` releases whoever of them it did not
+        stop (its session was not live after all), unless it was sent a `kill` meanwhile.
+        A kill whose flag failed releases nobody: it may have committed all the same (a
+        connection that broke after the commit), and its holds end by themselves within a
+        lease.
 
         The holds go out here, one after the other, before the flag's round trip: tasks
         spawned for them (asyncio.gather's too) waited their turn behind everything else
@@ -171,19 +170,21 @@ class Switches:
         done without giving up the loop. They take at most HOLDS_INLINE_S of the kill's
         path, a daemon that does not read its channel (its frame waits) included: those
         left then go out in the background."""
-        holding = _Hold(links, uuid4().hex, self._release)
+        holding = _Hold(links, uuid4().hex)
         if links:
             # For at most a lease: by then the kill has come, or the daemon's lease, which
             # this replica renews only while the flag is not set, stands for the flag.
             payload = {"id": holding.id, "reason": "kill-switch",
                        "ttl_ms": self.settings.lease_ms}
-            deadline = time.monotonic() + HOLDS_INLINE_S
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + HOLDS_INLINE_S
             sent = 0
+            # The deadline is checked between frames (a healthy channel's write never
+            # gives up the loop) and bounds a frame that waits (a channel not read).
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout_at(asyncio.get_running_loop().time()
-                                              + HOLDS_INLINE_S):
+                async with asyncio.timeout_at(deadline):
                     for link in links:
-                        if time.monotonic() > deadline:
+                        if loop.time() > deadline:
                             break
                         await send_to(link, "hold", payload)
                         sent += 1
@@ -191,11 +192,15 @@ class Switches:
                 self.spawn(_send_all(links[sent:], "hold", payload))
             metrics.kill_stage_seconds.labels(scope, "holds_sent").observe(
                 time.perf_counter() - started)
-        yield holding
+        return holding
 
-    def _release(self, links: list[DaemonLink], hold_id: str) -> None:
-        if links:
-            self.spawn(_send_all(links, "release", {"id": hold_id}))
+    def _unhold(self, holding: _Hold, rows: list[asyncpg.Record]) -> None:
+        """The flag has committed, with these rows: its live sessions (those whose `kill`
+        follows) are the ones it cancelled; a row of another kind has no session. The held
+        daemons of the others are released."""
+        cancelled = {r["id"] for r in rows if r.get("what", "live") == "live"}
+        if rest := [link for link in holding.links if link.session_id not in cancelled]:
+            self.spawn(_send_all(rest, "release", {"id": holding.id}))
 
     async def _switch(self, conn: Connection, body: Callable[[Connection], Awaitable[T]],
                       scope: str, started: float, statement: bool = False) -> T:
@@ -234,8 +239,8 @@ class Switches:
         # must not wait for a second pool connection while it holds one (a hundred kills
         # at once emptied the pool that way), nor queue for its requeue behind the
         # statements of the very exits it caused (a fleet kill causes hundreds at once).
-        async with self._held("agent", started, self.hub.links_of(org_id, agent_id)) as holding, \
-                self.switch_pool.acquire() as conn:
+        holding = await self._hold("agent", started, self.hub.links_of(org_id, agent_id))
+        async with self.switch_pool.acquire() as conn:
             # The agent's row locked, then one statement on a snapshot taken under the
             # lock, so that it sees a session a wake committed while the kill waited.
             rows = await self._flag(
@@ -270,7 +275,7 @@ class Switches:
                 """,
                 (agent_id, org_id, actor_id, origin, reason,
                  status_event(org_id, agent_id, "killed")[1]))
-            holding.killing(rows)
+            self._unhold(holding, rows)
             agent = next((r for r in rows if r["what"] == "agent"), None)
             if agent is None:
                 return None
@@ -294,8 +299,8 @@ class Switches:
         """DESIGN §2.3 line 2: the org flag, then every agent's kill, in one commit."""
         started = time.perf_counter() if started is None else started
 
-        async with self._held("fleet", started, self.hub.links_of(org_id)) as holding, \
-                self.switch_pool.acquire() as conn:  # one connection, as in kill_agent
+        holding = await self._hold("fleet", started, self.hub.links_of(org_id))
+        async with self.switch_pool.acquire() as conn:  # one connection, as in kill_agent
             # One statement after the locks, as in kill_agent: every agent's, then the
             # organisation's (the one lock order).
             rows = await self._flag(
@@ -337,7 +342,7 @@ class Switches:
                 FROM prev, announced, statuses
                 """,
                 (org_id, actor_id, None, reason, FLEET_KILLED_TITLE, None))
-            holding.killing(rows)
+            self._unhold(holding, rows)
             org = next((r for r in rows if r["what"] == "org"), None)
             was = bool(org is not None and org["flag"])
             agents = [r["id"] for r in rows if r["what"] == "newly"]
@@ -685,10 +690,10 @@ class Switches:
                             {"reason": reason, "sessions": len(live)})
             return inserted is None, live
 
-        async with self._held("global", started, self.hub.links()) as holding, \
-                self.switch_pool.acquire() as conn:  # one connection, as in kill_agent
+        holding = await self._hold("global", started, self.hub.links())
+        async with self.switch_pool.acquire() as conn:  # one connection, as in kill_agent
             was, live = await self._switch(conn, flag, "global", started)
-            holding.killing(live)
+            self._unhold(holding, live)
             report = KillReport(already_killed=was)
             # A global stop holds every agent: a repeat finishes what one cut short left.
             evicted = await self._stop_sessions(conn, "global", live, [], started, report,
@@ -738,22 +743,13 @@ class Switches:
         return cleared is not None
 
 
+@dataclass(frozen=True)
 class _Hold:
-    """One kill's hold: the daemons it held, released (`release`) as soon as its flag has
-    committed (`killing`) if the flag did not stop them after all."""
+    """One kill's hold (`Switches._hold`): the daemons it held, and its id, which their
+    `release` names (`Switches._unhold`)."""
 
-    def __init__(self, links: list[DaemonLink], hold_id: str,
-                 release: Callable[[list[DaemonLink], str], None]) -> None:
-        self.links = links
-        self.id = hold_id
-        self._release = release
-
-    def killing(self, rows: list[asyncpg.Record]) -> None:
-        """The flag has committed, with these rows: its live sessions (those whose `kill`
-        follows) are the ones it cancelled; a row of another kind has no session."""
-        cancelled = {r["id"] for r in rows if r.get("what", "live") == "live"}
-        self._release([link for link in self.links if link.session_id not in cancelled],
-                      self.id)
+    links: list[DaemonLink]
+    id: str
 
 
 async def _send_all(links: list[DaemonLink], kind: str, payload: dict[str, Any]) -> None:

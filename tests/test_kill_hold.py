@@ -1,4 +1,4 @@
-"""A kill holds its daemons while its flag commits (covey.switches, `_held`): under incident
+"""A kill holds its daemons while its flag commits (covey.switches, `_hold`): under incident
 load the commit took 10-40 ms, and the fastest agents of the game day acted twice in it. The
 `kill` itself still goes out only after the commit (DESIGN §2.3 line 1); a kill whose flag
 failed holds them until the hold ends. Real control plane, real `coveyd`, the puppet model;
@@ -62,6 +62,14 @@ async def _flag_waiting(world: World, holder: asyncpg.Connection) -> int:
     return pid
 
 
+async def _asks_in_window(puppet: Puppet, agent_id: str) -> int:
+    """How many times the agent asks its model in WINDOW_S from now. What a held agent
+    does in a window is the point of these tests: there is nothing to wait for but it."""
+    before = len(puppet.actions(agent_id))
+    await asyncio.sleep(WINDOW_S)
+    return len(puppet.actions(agent_id)) - before
+
+
 def _daemon_log(world: World) -> str:
     return "\n".join(p.read_text() for p in (world.plane.data_dir / "logs").glob("*.log"))
 
@@ -78,11 +86,8 @@ async def test_a_kill_holds_its_agent_before_its_flag_commits(
                 hworld.security.post(f"/api/v1/agents/{agent['id']}/kill"))
             try:
                 await _flag_waiting(hworld, holder)
-                before = len(puppet.actions(agent["id"]))
-                # What the agent does while the flag cannot commit: the window is the
-                # point of the test, there is nothing to wait for but the agent.
-                await asyncio.sleep(WINDOW_S)
-                during = len(puppet.actions(agent["id"])) - before
+                # What the agent does while the flag cannot commit.
+                during = await _asks_in_window(puppet, agent["id"])
                 assert not kill.done(), "the kill answered before its flag could commit"
             except BaseException:
                 kill.cancel()
@@ -152,7 +157,7 @@ async def test_a_kill_whose_flag_failed_holds_its_agent_until_the_hold_ends(
 
 async def test_a_daemon_that_does_not_read_its_channel_does_not_hold_up_the_kill(
         database_url: str, tmp_path: Path) -> None:
-    """The holds go out on the kill's own path, before its flag (covey.switches._held): a
+    """The holds go out on the kill's own path, before its flag (covey.switches._hold): a
     channel whose frames never leave (its daemon wedged, its socket's buffer full) must not
     keep the kill from its flag."""
     from covey.hub import DaemonLink
@@ -215,24 +220,20 @@ async def test_one_kills_release_leaves_anothers_hold_standing(
                 await _send(ws, "hold", {"id": hold_id, "reason": "kill-switch",
                                          "ttl_ms": 60_000})
             await _send(ws, "release", {"id": "agent-kill"})
-            before = len(puppet.actions(agent_id))
-            # A window in which a free agent (a step every 0.2-0.3 s) asks several times.
-            await asyncio.sleep(WINDOW_S)
-            during = len(puppet.actions(agent_id)) - before
+            during = await _asks_in_window(puppet, agent_id)
             assert during <= 1, (f"the agent asked its model {during} times in {WINDOW_S} s "
                                  "with the fleet kill's hold standing")
             await _send(ws, "release", {"id": "fleet-kill"})
+            asked = len(puppet.actions(agent_id))
 
             async def going_on() -> bool:
-                return len(puppet.actions(agent_id)) >= before + during + 2
+                return len(puppet.actions(agent_id)) >= asked + 2
             await eventually(going_on, 10, "the agent never went on once both were released")
             # A stale release and a new hold read in one burst: the hold stands.
             await _send(ws, "release", {"id": "fleet-kill"})
             await _send(ws, "hold", {"id": "global-stop", "reason": "kill-switch",
                                      "ttl_ms": 60_000})
-            before = len(puppet.actions(agent_id))
-            await asyncio.sleep(WINDOW_S)
-            during = len(puppet.actions(agent_id)) - before
+            during = await _asks_in_window(puppet, agent_id)
             assert during <= 1, (f"the agent asked its model {during} times in {WINDOW_S} s "
                                  "with a hold that came after a stale release")
             await _send(ws, "kill", {"reason": "kill-switch"})

@@ -315,7 +315,7 @@ async def test_no_lease_goes_to_a_daemon_after_its_kill() -> None:
     assert await kill
     assert await queued is False
     assert await hub.send(link.session_id, "lease", {"ttl_ms": 2000}) is False
-    # Nor the end of another kill's hold (covey.switches._held).
+    # Nor the end of another kill's hold (covey.switches._unhold).
     assert await hub.send(link.session_id, "release", {}) is False
     assert await hub.send(link.session_id, "sleep", {})
     assert sent == ["lease", "kill", "sleep"]
