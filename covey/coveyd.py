@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import random
+import select
 import sys
 import time
 from dataclasses import dataclass, field
@@ -90,6 +91,13 @@ RETRIED_STATUSES = frozenset({408, 429})
 BACKOFF_CAP_S = 30.0
 # The longest a kill's `hold` stands, whatever it says (see `hold_seconds`).
 HOLD_CAP_S = 60.0
+# Before each step the daemon reads what its control plane has already sent (`read_up`):
+# at most this many turns of its loop while the channel's socket still has bytes (a plane
+# that never stops sending cannot stall the run), then this many for the last of them to
+# reach the reader: the message's hand-over to the reader's step took one on websockets 15
+# (tests/test_kill_hold.py fails with none), four leave room for a message in fragments.
+READ_UP_TURNS = 64
+FRAME_TURNS = 4
 
 SYSTEM_PROMPT = (
     "You are an agent working one task in a sandbox. Use the tools; call finish with the "
@@ -455,9 +463,26 @@ class Daemon:
         guard.cost_usd, guard.tokens = self.spent
         return guard
 
+    async def read_up(self) -> None:
+        """Let the reader have every frame the control plane has already sent. A step
+        that follows another (a tool's result, then the model request) can start without
+        the loop ever turning to the channel: in four incident-load game days, daemons
+        sent a model request 1-28 ms after their kill's `hold` had reached their socket,
+        and read the hold only after it; in one of them that was an agent's second action
+        after the operator's request. A few turns of the loop each step, tens of
+        microseconds."""
+        for _ in range(READ_UP_TURNS):
+            if not unread(self.ws):
+                break
+            await asyncio.sleep(0)
+        for _ in range(FRAME_TURNS):
+            await asyncio.sleep(0)
+
     async def wait_while_held(self) -> None:
         """Start nothing while a kill holds this daemon: its `kill` cancels the run here;
-        the run goes on once no hold stands, each released or ended (said in the log)."""
+        the run goes on once no hold stands, each released or ended (said in the log).
+        What the plane has sent is read first (`read_up`)."""
+        await self.read_up()
         while self.holds:
             self.halt_if_stopped()  # a kill whose cancellation a wait_for swallowed
             now = time.monotonic()
@@ -492,7 +517,7 @@ class Daemon:
         ]
         try:
             while True:
-                await self.wait_while_held()
+                self.halt_if_stopped()  # and `chat` waits out a hold before it sends
                 guard.before_step()
                 # Reserved before it is sent: the call may ask for no more completion than
                 # what is left of the budgets pays for (the ceiling is kept, not alerted on).
@@ -564,18 +589,22 @@ class Daemon:
                 self.env.max_tokens_field: max_tokens}
         attempt = 0
         while True:
-            if attempt:
-                # A kill during the pause ends the retries; a hold keeps them back.
-                await self.wait_while_held()
             retry_after: float | None = None
+            # Built (its body encoded) before the last look at the channel, so that from
+            # that look to the wire there is as little as can be: a daemon starved of CPU
+            # can lose it anywhere on that way, and in the incident-load game day some
+            # resumed 20-30 ms later to send a request their kill's hold had reached before.
+            request = self.http.build_request(
+                "POST", url, headers={"Authorization": f"Bearer {self.env.model_key}",
+                                      "X-Covey-Agent": self.env.agent_id},
+                json=body, timeout=120)
+            # A kill (during a retry's pause too) ends the run here; a hold keeps it back.
+            await self.wait_while_held()
+            # Stamped as late as this daemon can: from here to the wire there is only the
+            # HTTP client, and a kill that arrives meanwhile cancels the request unsent.
+            request.headers[SENT_AT_HEADER] = str(time.time_ns())
             try:
-                # Stamped as late as this daemon can: from here to the wire there is only the
-                # HTTP client, and a kill that arrives meanwhile cancels the request unsent.
-                r = await self.http.post(
-                    url, headers={"Authorization": f"Bearer {self.env.model_key}",
-                                  "X-Covey-Agent": self.env.agent_id,
-                                  SENT_AT_HEADER: str(time.time_ns())},
-                    json=body, timeout=120)
+                r = await self.http.send(request)
             except httpx.HTTPError as exc:
                 failure = ModelError(None, f"model endpoint {url} unreachable: "
                                            f"{type(exc).__name__}: {exc}")
@@ -610,6 +639,20 @@ class Daemon:
                                             f"usable completion: {type(exc).__name__}: {exc}"
                              ) from None
         return reply
+
+
+def unread(ws: ClientConnection) -> bool:
+    """Whether the kernel holds bytes of this channel that the loop has not read yet (or
+    its end: a closed channel reads as ready, and its daemon is stopping)."""
+    sock = ws.transport.get_extra_info("socket") if ws.transport is not None else None
+    if sock is None:
+        return False
+    poller = select.poll()
+    try:
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):  # closed under us
+        return False
 
 
 def hold_seconds(ttl_ms: Any) -> float:

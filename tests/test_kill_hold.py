@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import httpx
 import pytest
+import websockets
 
-from covey.coveyd import HOLD_CAP_S, hold_seconds
+from covey.coveyd import HOLD_CAP_S, Daemon, Env, hold_seconds
 from covey.testing.plane import World, make_world, start_plane
 from harness.act.puppet import Puppet
 from harness.stack.waiting import eventually
@@ -242,3 +244,33 @@ async def test_one_kills_release_leaves_anothers_hold_standing(
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+
+
+async def test_a_hold_already_on_the_channel_stops_the_next_step(tmp_path: Path) -> None:
+    """What the plane has sent is read before the next step starts: the hold lands on the
+    daemon's socket while its loop is not reading (as a daemon busy with a tool's result),
+    behind a few other frames, and the step that follows must wait for it. One unit:
+    `coveyd`'s Daemon on a real WebSocket channel, its reader running."""
+    env = Env(ws_url="ws://127.0.0.1:1", token="t", agent_id="a1", sandbox_id="s1",
+              model_url="http://127.0.0.1:1/v1", model_key="none",
+              prices={"puppet": (0.0, 0.0)}, home=tmp_path)
+    async with (_stand_in_plane() as (ws_url, connections, _heard),
+                websockets.connect(ws_url) as ws, httpx.AsyncClient() as http):
+        daemon = Daemon(env, ws, http)
+        reader = asyncio.create_task(daemon.read())
+        plane = await asyncio.wait_for(connections.get(), 10)
+        try:
+            assert ws.transport is not None
+            ws.transport.pause_reading()
+            for _ in range(3):
+                await _send(plane, "lease", {"ttl_ms": 60_000, "stopped": []})
+            await _send(plane, "hold", {"id": "fleet-kill", "reason": "kill-switch",
+                                        "ttl_ms": 60_000})
+            await asyncio.sleep(0.1)  # the frames are in the socket, the loop unaware
+            assert not daemon.holds, "the hold was read while the channel was paused"
+            ws.transport.resume_reading()
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(daemon.wait_while_held(), 1.0)
+            assert "fleet-kill" in daemon.holds, "the step went on before the hold was read"
+        finally:
+            reader.cancel()

@@ -15,7 +15,14 @@ class ActsAfterAck(coveyd.Daemon):
     async def send(self, kind: str, payload: dict[str, Any]) -> None:
         await super().send(kind, payload)
         if kind == "kill_ack":
-            await self.chat("puppet", [{"role": "user", "content": "one more step"}], 64)
+            # Its broken handling: it forgets its stop, and the hold before it, for one
+            # request (`chat` checks both).
+            self.halted = False
+            self.holds.clear()
+            try:
+                await self.chat("puppet", [{"role": "user", "content": "one more step"}], 64)
+            finally:
+                self.halted = True
 
 
 if __name__ == "__main__":
