@@ -465,9 +465,9 @@ class Daemon:
 
     async def read_up(self) -> None:
         """Let the reader have every frame the control plane has already sent. A step
-        that follows another (a tool's result, then the model request) can start without
-        the loop ever turning to the channel: in four incident-load game days, daemons
-        sent a model request 1-28 ms after their kill's `hold` had reached their socket,
+        that follows another (a tool's result, then the model request) can start before
+        the loop has turned to the channel: in four incident-load game days, daemons
+        sent a model request 1-35 ms after their kill's `hold` had reached their socket,
         and read the hold only after it; in one of them that was an agent's second action
         after the operator's request. A few turns of the loop each step, tens of
         microseconds."""
