@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import random
-import select
 import sys
 import time
 from dataclasses import dataclass, field
@@ -91,13 +90,11 @@ RETRIED_STATUSES = frozenset({408, 429})
 BACKOFF_CAP_S = 30.0
 # The longest a kill's `hold` stands, whatever it says (see `hold_seconds`).
 HOLD_CAP_S = 60.0
-# Before each step the daemon reads what its control plane has already sent (`read_up`):
-# at most this many turns of its loop while the channel's socket still has bytes (a plane
-# that never stops sending cannot stall the run), then this many for the last of them to
-# reach the reader: the message's hand-over to the reader's step took one on websockets 15
-# (tests/test_kill_hold.py fails with none), four leave room for a message in fragments.
-READ_UP_TURNS = 64
-FRAME_TURNS = 4
+# Before each step the daemon gives its loop this many turns to read what the control plane
+# has already sent (`read_up`). Each turn polls the sockets and reads up to 256 KiB of each
+# (asyncio's selector loop); a frame waiting on the socket reached the reader in the third on
+# websockets 17 (tests/test_kill_hold.py fails with two), and six leave room for more hops.
+READ_UP_TURNS = 6
 
 SYSTEM_PROMPT = (
     "You are an agent working one task in a sandbox. Use the tools; call finish with the "
@@ -467,21 +464,18 @@ class Daemon:
         """Let the reader have every frame the control plane has already sent. A step
         that follows another (a tool's result, then the model request) can start before
         the loop has turned to the channel: in four incident-load game days, daemons
-        sent a model request 1-35 ms after their kill's `hold` had reached their socket,
-        and read the hold only after it; in one of them that was an agent's second action
-        after the operator's request. A few turns of the loop each step, tens of
-        microseconds."""
+        sent a model request 1-35 ms after the plane had sent their kill's `hold`, and
+        read the hold only after it; in one of them that was an agent's second action
+        after the operator's request. A few turns of the loop each step."""
         for _ in range(READ_UP_TURNS):
-            if not unread(self.ws):
-                break
-            await asyncio.sleep(0)
-        for _ in range(FRAME_TURNS):
             await asyncio.sleep(0)
 
     async def wait_while_held(self) -> None:
         """Start nothing while a kill holds this daemon: its `kill` cancels the run here;
         the run goes on once no hold stands, each released or ended (said in the log).
-        What the plane has sent is read first (`read_up`)."""
+        What the plane has sent is read first (`read_up`), and the kill flag is looked at
+        last: what was read may have stopped this agent, or the wait outlived its lease
+        (the guard's trips, raised here as its own look would)."""
         await self.read_up()
         while self.holds:
             self.halt_if_stopped()  # a kill whose cancellation a wait_for swallowed
@@ -497,6 +491,7 @@ class Daemon:
                 await asyncio.wait_for(self.holds_changed.wait(),
                                        min(self.holds.values()) - now)
         self.halt_if_stopped()
+        self.flag.check()
 
     def halt_if_stopped(self) -> None:
         """A stopped run ends here, before its next model request or tool call. Cancelling
@@ -517,7 +512,7 @@ class Daemon:
         ]
         try:
             while True:
-                self.halt_if_stopped()  # and `chat` waits out a hold before it sends
+                await self.wait_while_held()  # and `chat` looks again just before it sends
                 guard.before_step()
                 # Reserved before it is sent: the call may ask for no more completion than
                 # what is left of the budgets pays for (the ceiling is kept, not alerted on).
@@ -545,6 +540,9 @@ class Daemon:
                                          "content": json.dumps({"error": f"bad arguments: "
                                                                          f"{exc}"})})
                         continue
+                    # Waited out before the guard's look: a stopped tool that the wait reads
+                    # must be refused, not run after its stop was acknowledged.
+                    await self.wait_while_held()
                     try:
                         probe = guard.before_call(name, args)
                     except ToolStoppedTrip as refused:
@@ -559,7 +557,6 @@ class Daemon:
                     if name == "finish":
                         guard.after_call(name, True, probe)
                         return Outcome(result=str(args.get("result", "")))
-                    await self.wait_while_held()
                     result, ok = await toolbox.run(name, args)
                     guard.after_call(name, ok, probe)
                     await self.send("event", {"kind": "tool", "status": "ok" if ok else "failed",
@@ -592,8 +589,8 @@ class Daemon:
             retry_after: float | None = None
             # Built (its body encoded) before the last look at the channel, so that from
             # that look to the wire there is as little as can be: a daemon starved of CPU
-            # can lose it anywhere on that way, and in the incident-load game day some
-            # resumed 20-30 ms later to send a request their kill's hold had reached before.
+            # can lose it anywhere on that way. In the incident-load game day, most likely
+            # so, some sent a request 14-32 ms after their kill's hold had been sent.
             request = self.http.build_request(
                 "POST", url, headers={"Authorization": f"Bearer {self.env.model_key}",
                                       "X-Covey-Agent": self.env.agent_id},
@@ -639,20 +636,6 @@ class Daemon:
                                             f"usable completion: {type(exc).__name__}: {exc}"
                              ) from None
         return reply
-
-
-def unread(ws: ClientConnection) -> bool:
-    """Whether the kernel holds bytes of this channel that the loop has not read yet (or
-    its end: a closed channel reads as ready, and its daemon is stopping)."""
-    sock = ws.transport.get_extra_info("socket") if ws.transport is not None else None
-    if sock is None:
-        return False
-    poller = select.poll()
-    try:
-        poller.register(sock.fileno(), select.POLLIN)
-        return bool(poller.poll(0))
-    except (OSError, ValueError):  # closed under us
-        return False
 
 
 def hold_seconds(ttl_ms: Any) -> float:

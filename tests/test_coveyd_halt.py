@@ -16,8 +16,6 @@ from covey.tools import Toolbox
 
 
 class Channel:
-    transport = None  # nothing unread, ever (covey.coveyd.unread)
-
     def __init__(self) -> None:
         self.sent: list[str] = []
 

@@ -8,11 +8,13 @@ or another kill would."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+import select
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ import websockets
 
 from covey.coveyd import HOLD_CAP_S, Daemon, Env, hold_seconds
 from covey.testing.plane import World, make_world, start_plane
+from covey.tools import Toolbox
 from harness.act.puppet import Puppet
 from harness.stack.waiting import eventually
 from tests.conftest import COVEYD
@@ -246,31 +249,93 @@ async def test_one_kills_release_leaves_anothers_hold_standing(
                 await proc.wait()
 
 
-async def test_a_hold_already_on_the_channel_stops_the_next_step(tmp_path: Path) -> None:
-    """What the plane has sent is read before the next step starts: the hold lands on the
-    daemon's socket while its loop is not reading (as a daemon busy with a tool's result),
-    behind a few other frames, and the step that follows must wait for it. One unit:
-    `coveyd`'s Daemon on a real WebSocket channel, its reader running."""
+@contextlib.asynccontextmanager
+async def _channel_daemon(tmp_path: Path) -> AsyncIterator[
+        tuple[Daemon, Callable[[list[tuple[str, dict[str, Any]]]], Awaitable[None]]]]:
+    """`coveyd`'s Daemon on a real WebSocket channel, its reader running (one unit: no
+    model, no tools); and a way to put frames on its socket without its loop reading them,
+    as while the daemon is busy with a tool's result: they are read from the next turn on."""
     env = Env(ws_url="ws://127.0.0.1:1", token="t", agent_id="a1", sandbox_id="s1",
               model_url="http://127.0.0.1:1/v1", model_key="none",
               prices={"puppet": (0.0, 0.0)}, home=tmp_path)
     async with (_stand_in_plane() as (ws_url, connections, _heard),
                 websockets.connect(ws_url) as ws, httpx.AsyncClient() as http):
         daemon = Daemon(env, ws, http)
+        daemon.config = {"guard": {"max_steps": 50}, "budget_usd": 1.0}
+        daemon.flag.renew(60)
         reader = asyncio.create_task(daemon.read())
         plane = await asyncio.wait_for(connections.get(), 10)
+        assert ws.transport is not None
+        transport = ws.transport
+        waiting = select.poll()
+        waiting.register(transport.get_extra_info("socket").fileno(), select.POLLIN)
+
+        async def on_the_socket() -> bool:
+            return bool(waiting.poll(0))
+
+        async def unread(frames: list[tuple[str, dict[str, Any]]]) -> None:
+            transport.pause_reading()
+            for kind, payload in frames:
+                await _send(plane, kind, payload)
+            await eventually(on_the_socket, 10, "the frames never reached the socket")
+            transport.resume_reading()
         try:
-            assert ws.transport is not None
-            ws.transport.pause_reading()
-            for _ in range(3):
-                await _send(plane, "lease", {"ttl_ms": 60_000, "stopped": []})
-            await _send(plane, "hold", {"id": "fleet-kill", "reason": "kill-switch",
-                                        "ttl_ms": 60_000})
-            await asyncio.sleep(0.1)  # the frames are in the socket, the loop unaware
-            assert not daemon.holds, "the hold was read while the channel was paused"
-            ws.transport.resume_reading()
-            with pytest.raises(TimeoutError):
-                await asyncio.wait_for(daemon.wait_while_held(), 1.0)
-            assert "fleet-kill" in daemon.holds, "the step went on before the hold was read"
+            yield daemon, unread
         finally:
             reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+
+async def test_a_hold_already_on_the_channel_stops_the_next_step(tmp_path: Path) -> None:
+    """What the plane has sent is read before the next step starts: a hold that lands on
+    the daemon's socket while its loop is busy, behind a few other frames, holds the step
+    that follows."""
+    async with _channel_daemon(tmp_path) as (daemon, unread):
+        await unread([*[("lease", {"ttl_ms": 60_000, "stopped": []})] * 3,
+                      ("hold", {"id": "fleet-kill", "reason": "kill-switch",
+                                "ttl_ms": 60_000})])
+        assert not daemon.holds, "the hold was read while the channel was paused"
+        step = asyncio.create_task(daemon.wait_while_held())
+        await daemon.read_up()  # as long as the step's own look, which started first
+        assert "fleet-kill" in daemon.holds, "the step's look did not read the hold"
+        assert not step.done(), "the step went on with a hold on its channel"
+        daemon.holds.clear()
+        daemon.holds_changed.set()  # as its release would
+        await asyncio.wait_for(step, 10)
+
+
+async def test_a_tool_stopped_while_the_daemon_looked_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The look before a tool call comes before the guard's: a `lease` that stops the tool,
+    waiting on the socket as the model answers with a call of it, is read, acknowledged,
+    and the call refused, not run after the acknowledgement."""
+    async with _channel_daemon(tmp_path) as (daemon, unread):
+        calls: list[str] = []
+        answers = 0
+
+        async def chat(model: str, messages: list[dict[str, Any]], max_tokens: int
+                       ) -> dict[str, Any]:
+            nonlocal answers
+            answers += 1
+            if answers == 1:
+                await unread([("lease", {"ttl_ms": 60_000, "stopped": ["tool:shell"]})])
+                call = {"id": "c1", "type": "function", "function": {
+                    "name": "shell", "arguments": json.dumps({"cmd": "echo hi"})}}
+                message: dict[str, Any] = {"role": "assistant", "tool_calls": [call]}
+            else:
+                message = {"role": "assistant", "content": "done"}
+            return {"choices": [{"message": message}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+        async def run(_self: Toolbox, name: str, args: dict[str, Any]
+                      ) -> tuple[dict[str, Any], bool]:
+            calls.append(name)
+            return {"exit_code": 0, "output": "", "truncated": False}, True
+
+        monkeypatch.setattr(daemon, "chat", chat)
+        monkeypatch.setattr(Toolbox, "run", run)
+        outcome = await asyncio.wait_for(daemon.engine({"title": "t", "body": ""}), 10)
+        assert "tool:shell" in daemon.flag.stopped, "the lease was never read"
+        assert calls == [], f"a stopped tool ran after its stop was read: {calls}"
+        assert outcome.result == "done", outcome
