@@ -92,8 +92,8 @@ BACKOFF_CAP_S = 30.0
 HOLD_CAP_S = 60.0
 # Before each step the daemon gives its loop this many turns to read what the control plane
 # has already sent (`read_up`). Each turn polls the sockets and reads up to 256 KiB of each
-# (asyncio's selector loop); a frame waiting on the socket reached the reader in the third on
-# websockets 17 (tests/test_kill_hold.py fails with two), and six leave room for more hops.
+# (asyncio's selector loop); a frame waiting on the socket reached the reader in the second on
+# websockets 17 (tests/test_kill_hold.py fails with one), and six leave room for more hops.
 READ_UP_TURNS = 6
 
 SYSTEM_PROMPT = (
@@ -463,9 +463,9 @@ class Daemon:
     async def read_up(self) -> None:
         """Let the reader have every frame the control plane has already sent. A step
         that follows another (a tool's result, then the model request) can start before
-        the loop has turned to the channel: in four incident-load game days, daemons
-        sent a model request 1-35 ms after the plane had sent their kill's `hold`, and
-        read the hold only after it; in one of them that was an agent's second action
+        the loop has turned to the channel: in three of four incident-load game days,
+        daemons sent a model request 1-32 ms after the plane had sent their kill's
+        `hold`, and read the hold only after it; in one that was an agent's second action
         after the operator's request. A few turns of the loop each step."""
         for _ in range(READ_UP_TURNS):
             await asyncio.sleep(0)
@@ -541,7 +541,8 @@ class Daemon:
                                                                          f"{exc}"})})
                         continue
                     # Waited out before the guard's look: a stopped tool that the wait reads
-                    # must be refused, not run after its stop was acknowledged.
+                    # must be refused, not run after its stop was acknowledged. `finish` as
+                    # well: a task does not report itself done with a kill on its way.
                     await self.wait_while_held()
                     try:
                         probe = guard.before_call(name, args)

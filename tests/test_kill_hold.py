@@ -11,7 +11,8 @@ import asyncio
 import contextlib
 import itertools
 import json
-import select
+import os
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,7 +24,7 @@ import httpx
 import pytest
 import websockets
 
-from covey.coveyd import HOLD_CAP_S, Daemon, Env, hold_seconds
+from covey.coveyd import HOLD_CAP_S, READ_UP_TURNS, Daemon, Env, hold_seconds
 from covey.testing.plane import World, make_world, start_plane
 from covey.tools import Toolbox
 from harness.act.puppet import Puppet
@@ -259,7 +260,7 @@ async def _channel_daemon(tmp_path: Path) -> AsyncIterator[
               model_url="http://127.0.0.1:1/v1", model_key="none",
               prices={"puppet": (0.0, 0.0)}, home=tmp_path)
     async with (_stand_in_plane() as (ws_url, connections, _heard),
-                websockets.connect(ws_url) as ws, httpx.AsyncClient() as http):
+                websockets.connect(ws_url, compression=None) as ws, httpx.AsyncClient() as http):
         daemon = Daemon(env, ws, http)
         daemon.config = {"guard": {"max_steps": 50}, "budget_usd": 1.0}
         daemon.flag.renew(60)
@@ -267,21 +268,27 @@ async def _channel_daemon(tmp_path: Path) -> AsyncIterator[
         plane = await asyncio.wait_for(connections.get(), 10)
         assert ws.transport is not None
         transport = ws.transport
-        waiting = select.poll()
-        waiting.register(transport.get_extra_info("socket").fileno(), select.POLLIN)
-
-        async def on_the_socket() -> bool:
-            return bool(waiting.poll(0))
+        # The channel's own socket, looked at without reading it (a duplicate descriptor:
+        # the transport's socket object refuses such calls); uncompressed, so that a
+        # frame's text can be found on it.
+        peek = socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
 
         async def unread(frames: list[tuple[str, dict[str, Any]]]) -> None:
             transport.pause_reading()
             for kind, payload in frames:
                 await _send(plane, kind, payload)
-            await eventually(on_the_socket, 10, "the frames never reached the socket")
+            last = json.dumps(frames[-1][1]).encode()
+
+            async def all_on_the_socket() -> bool:
+                with contextlib.suppress(BlockingIOError):
+                    return last in peek.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                return False
+            await eventually(all_on_the_socket, 10, "the frames never reached the socket")
             transport.resume_reading()
         try:
             yield daemon, unread
         finally:
+            peek.close()
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
@@ -297,12 +304,16 @@ async def test_a_hold_already_on_the_channel_stops_the_next_step(tmp_path: Path)
                                 "ttl_ms": 60_000})])
         assert not daemon.holds, "the hold was read while the channel was paused"
         step = asyncio.create_task(daemon.wait_while_held())
-        await daemon.read_up()  # as long as the step's own look, which started first
-        assert "fleet-kill" in daemon.holds, "the step's look did not read the hold"
-        assert not step.done(), "the step went on with a hold on its channel"
-        daemon.holds.clear()
-        daemon.holds_changed.set()  # as its release would
-        await asyncio.wait_for(step, 10)
+        try:
+            # Turns of the loop, not time: the step's look ends within READ_UP_TURNS.
+            for _ in range(4 * READ_UP_TURNS):
+                await asyncio.sleep(0)
+            assert not step.done(), "the step went on with a hold on its channel"
+            assert "fleet-kill" in daemon.holds
+            await unread([("release", {"id": "fleet-kill"})])
+            await asyncio.wait_for(step, 10)  # and goes on once released
+        finally:
+            step.cancel()
 
 
 async def test_a_tool_stopped_while_the_daemon_looked_is_refused(
