@@ -35,11 +35,11 @@ from covey.api import (
     notifications,
     trigger,
 )
-from covey.api.deps import AnyRole, Orch, credential_hash, credential_left_s
+from covey.api.deps import SWITCH_PULLERS, AnyRole, Orch, credential_hash, credential_left_s
 from covey.api.openapi import document
 from covey.config import Settings
 from covey.cpu_group import make_cpu_group
-from covey.credentials import Credentials
+from covey.credentials import SWITCH_CALLERS_EVERY_S, Credentials, keep_switch_callers
 from covey.db import create_pool, migrate
 from covey.embedded_postgres import EmbeddedPostgres, attach, release
 from covey.events import EventStream
@@ -234,11 +234,15 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
         app.state.sign_in = SignIn(pool, settings)
         await app.state.sign_in.prepare()
         listener = Listener(url, orch, events, app.state.credentials)
+
+        async def keep_callers() -> None:
+            await keep_switch_callers(pool, app.state.credentials, SWITCH_PULLERS)
         loops = [
             asyncio.create_task(listener.run()),
             asyncio.create_task(_every(settings.tick_ms / 1000, "tick", orch.tick)),
             asyncio.create_task(
                 _every(settings.lease_ms / 3000, "lease", orch.renew_leases)),
+            asyncio.create_task(_every(SWITCH_CALLERS_EVERY_S, "switch callers", keep_callers)),
             # Twice the lease: their daemons have stopped by then, however the crash fell.
             asyncio.create_task(orch.runner.settle_previous_life(2 * settings.lease_ms / 1000)),
             # And their sessions, once their daemons' leases have run out: not at the sweep.

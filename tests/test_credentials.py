@@ -1,17 +1,26 @@
 """A caller remembered between requests (covey/credentials.py) is forgotten as soon as any
 change to it is announced, at once on the replica that made it, and nothing is remembered
-while announcements cannot be heard. Real control plane and Postgres for the first part;
-the last tests are units of the cache itself."""
+while announcements cannot be heard. The callers who may pull a switch are remembered ahead
+of their first request. Real control plane and Postgres for the first part; the last tests
+are units of the cache itself."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
+from collections.abc import AsyncIterator
 
+import asyncpg
 import httpx
 import pytest
 
-from covey.credentials import Credentials, Principal
+from covey.credentials import (
+    SWITCH_CALLERS_EVERY_S,
+    Credentials,
+    Principal,
+    keep_switch_callers,
+)
 from covey.security import token_hash
 from covey.testing.plane import World
 from harness.stack.waiting import eventually
@@ -33,6 +42,57 @@ async def test_a_caller_is_looked_up_once_and_then_remembered(world: World) -> N
     who = remembered(world, token)
     assert who is not None and who.role == "security", (
         "the caller of a request was not remembered: every request still looks it up")
+
+
+def token_of(client: httpx.AsyncClient) -> str:
+    return str(client.headers["authorization"]).split(" ", 1)[1]
+
+
+async def test_a_switch_caller_is_remembered_before_its_first_request(world: World) -> None:
+    """A kill from an API token that has asked for nothing lately (an operator who opens a
+    shell to pull the switch) finds its caller remembered: the plane reads the tokens of
+    those who may pull a switch every few seconds. Not the others': an auditor's is read at
+    its request. Neither token of this world has been used."""
+    security, auditor = token_of(world.security), token_of(world.auditor)
+
+    async def security_remembered() -> bool:
+        return remembered(world, security) is not None
+    await eventually(security_remembered, 3 * SWITCH_CALLERS_EVERY_S,
+                     "a security officer's token was not remembered before its first request")
+    assert remembered(world, security) == Principal(
+        world.org.humans["security"], world.org.id, "security@acme.test", "security"), (
+        "the caller remembered ahead is not the one a request would look up")
+    assert remembered(world, auditor) is None, "an auditor's token was read ahead: it may not kill"
+
+
+async def test_the_switch_callers_read_across_an_announcement_are_not_remembered(
+        world: World) -> None:
+    """One pass of `keep_switch_callers` on the real database: the API tokens of the roles
+    asked for, not the others; and nothing when a change was announced during its read."""
+    credentials = Credentials()
+    credentials.listening(True)
+    read = await keep_switch_callers(world.db, credentials, ("security", "agent_owner"))
+    assert read >= 2, f"only {read} switch callers read"  # this world's two, and others'
+    kept = {role: credentials.get(token_hash(token_of(world.org.clients[role])))
+            for role in ("security", "agent_owner", "auditor", "org_admin")}
+    assert {r for r, who in kept.items() if who is not None} == {"security", "agent_owner"}, kept
+
+    class AnnouncedMeanwhile:  # the real database, and an announcement during the read
+        @contextlib.asynccontextmanager
+        async def acquire(self, timeout: float | None = None
+                          ) -> AsyncIterator[AnnouncedMeanwhile]:
+            yield self
+
+        async def fetch(self, query: str, *args: object, timeout: float | None = None
+                        ) -> list[asyncpg.Record]:
+            rows = await world.db.fetch(query, *args, timeout=timeout)
+            fresh.announced(None)
+            return rows
+    fresh = Credentials()
+    fresh.listening(True)
+    await keep_switch_callers(AnnouncedMeanwhile(), fresh, ("security",))  # type: ignore[arg-type]
+    assert fresh.get(token_hash(token_of(world.security))) is None, (
+        "a caller read across an announcement was remembered")
 
 
 async def test_a_logout_is_refused_from_the_next_request_on(

@@ -22,6 +22,8 @@ ORG_ROLES = ("org_admin", "agent_owner", "security", "auditor", "controlling")
 MANAGE = ("org_admin", "agent_owner")
 SECURITY = ("org_admin", "security")
 KILLERS = ("org_admin", "agent_owner", "security")  # manage + security
+# Whoever may pull some switch: a kill, or the global stop (covey.credentials keeps them).
+SWITCH_PULLERS = (*KILLERS, "platform_admin")
 AUDIT_READERS = ("org_admin", "security", "auditor")
 
 
@@ -65,6 +67,8 @@ def credential_hash(request: Request) -> str:
 
 # Who a credential hash is (id, org_id, email, role) and for how many more seconds it holds
 # (left_s; NULL for an API token): the request's caller and the event stream's recheck.
+# What makes an API token valid is said again in covey.credentials.SWITCH_CALLERS_SQL: change
+# both together.
 CALLER_SQL = """
     SELECT h.id, h.org_id, h.email, h.role, c.left_s
     FROM (SELECT human_id, extract(epoch FROM expires_at - now())::float8 AS left_s
