@@ -262,9 +262,16 @@ async def test_a_warm_session_that_ends_before_its_start_returns_is_parked(
     assert not returned.is_set(), "the start returned before the session ended: no race"
     parked = await _wait_state(world, agent["id"], "parked")
     await eventually(lambda: asyncio.sleep(0, returned.is_set()), 10, "the start never returned")
-    box = next(s for s in await _sandboxes(world, agent["id"]) if s["id"] == parked["id"])
-    assert box["state"] == "parked" and box["handle"], (
-        f"the warm sandbox parked during its start lost its state or handle: {box}")
+
+    # The runner writes the handle once the start has returned: read at once, on a loaded CI
+    # host the row did not have it yet.
+    async def handle_recorded() -> dict[str, Any] | None:
+        box = next(s for s in await _sandboxes(world, agent["id"]) if s["id"] == parked["id"])
+        return box if box["handle"] else None
+    box = await eventually(handle_recorded, 10, "the warm sandbox parked during its start "
+                           "never had its handle recorded")
+    assert box["state"] == "parked", (
+        f"the warm sandbox parked during its start lost its state: {box}")
 
 
 async def test_a_warm_sandbox_evicted_while_it_starts_is_torn_down_once_started(
