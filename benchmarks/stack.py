@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from covey.testing.plane import free_port
 from harness.judge.time_to_stop import percentile_ms as percentile
+from harness.stack.base import free_port
 from harness.stack.postgres import database_of_its_own
 from harness.stack.postgres import postgres_server as postgres_server  # the benchmarks' server
 

@@ -17,10 +17,11 @@ import uvicorn
 
 from covey.db import migrate
 from covey.testing import SCRIPTED_DAEMON
-from covey.testing.plane import Plane, World, free_port, make_world, start_plane
+from covey.testing.plane import Plane, World, make_world, start_plane
 from harness.act.browser import chromium
 from harness.act.puppet import Puppet, create_app
 from harness.nemesis.watchdog import STATE_ENV
+from harness.stack.base import free_port
 from harness.stack.postgres import create_database, database_of_its_own, postgres_server
 from harness.stack.waiting import eventually
 

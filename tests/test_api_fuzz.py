@@ -28,7 +28,7 @@ import schemathesis
 from schemathesis.config import SchemathesisConfig
 
 from covey.testing import SCRIPTED_DAEMON
-from covey.testing.plane import free_port
+from harness.stack.base import free_port
 from harness.stack.postgres import create_database, drop_database
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from covey.testing import ACTS_AFTER_ACK
-from covey.testing.plane import Plane, World, free_port, make_world, start_plane
+from covey.testing.plane import Plane, World, make_world, start_plane
 from harness.act.puppet import Puppet
 from harness.judge.checkers import (
     KILL_DELIVERY_F,
@@ -28,6 +28,7 @@ from harness.nemesis import FaultProxy
 from harness.record.gameday import kill_delivery
 from harness.record.history import History
 from harness.record.remains import remains_of
+from harness.stack.base import free_port
 from harness.stack.waiting import eventually
 from tests.conftest import COVEYD
 

@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from covey.testing.plane import World, free_port, make_world, start_plane
+from covey.testing.plane import World, make_world, start_plane
 from harness.act.puppet import Puppet
 from harness.nemesis import FaultProxy
+from harness.stack.base import free_port
 from harness.stack.waiting import eventually
 
 pytestmark = pytest.mark.docker

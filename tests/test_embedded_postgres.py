@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from covey.config import ConfigError, Settings
-from covey.testing.plane import free_port
+from harness.stack.base import free_port
 from harness.stack.waiting import eventually
 
 pytestmark = pytest.mark.slow

@@ -21,8 +21,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client.parser import text_string_to_metric_families
 
-from covey.testing.plane import World, free_port, make_world, start_plane
+from covey.testing.plane import World, make_world, start_plane
 from harness.act.puppet import Puppet, max_tokens_of
+from harness.stack.base import free_port
 from harness.stack.waiting import eventually
 from tests.conftest import COVEYD
 

@@ -18,11 +18,11 @@ import httpx
 import pytest
 
 from covey.testing import SCRIPTED_DAEMON
-from covey.testing.plane import Plane, World, free_port, make_world, start_plane
+from covey.testing.plane import Plane, World, make_world, start_plane
 from harness.act.puppet import Puppet
 from harness.nemesis import Nemesis, ProxyFaultKind
 from harness.nemesis.processes import process_state
-from harness.stack.base import proxy_process
+from harness.stack.base import free_port, proxy_process
 from harness.stack.postgres import link_of, through
 from harness.stack.processes import PlaneProcess
 from harness.stack.waiting import eventually

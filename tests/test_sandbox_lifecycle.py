@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 from covey.sandbox import processes_marked
-from covey.testing.plane import World, free_port, make_world, start_plane
+from covey.testing.plane import World, make_world, start_plane
 from harness.act.puppet import Puppet
+from harness.stack.base import free_port
 from harness.stack.waiting import eventually
 from tests.conftest import COVEYD
 

@@ -20,8 +20,9 @@ import psutil
 import pytest
 from websockets.asyncio.server import ServerConnection, serve
 
-from covey.testing.plane import World, free_port
+from covey.testing.plane import World
 from harness.act.puppet import Puppet
+from harness.stack.base import free_port
 from harness.stack.waiting import eventually
 from tests.conftest import COVEYD
 from tests.test_coveyd import _sandbox, _session_of, cworld  # noqa: F401 (a fixture)

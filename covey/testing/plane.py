@@ -27,10 +27,18 @@ from covey.security import hash_password, new_token, token_hash
 ROLES = ("org_admin", "agent_owner", "security", "auditor", "controlling")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def loopback_socket(port: int = 0) -> socket.socket:
+    """A loopback TCP socket bound to `port` (0: one the kernel picks), for uvicorn to serve
+    on: bound before the server starts, no other socket can take its port in between (a
+    port picked, closed and bound again later can be, by any outgoing connection)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart on the same port
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 async def until(check: Callable[[], Awaitable[bool]], deadline_s: float, message: str,
@@ -48,19 +56,20 @@ async def until(check: Callable[[], Awaitable[bool]], deadline_s: float, message
 async def served(app: Any) -> AsyncIterator[str]:
     """An ASGI app served by a real uvicorn on a free loopback port, for as long as the
     block runs: its base URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="critical"))
-    serving = asyncio.create_task(server.serve())
+    with loopback_socket() as sock:
+        port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                               log_level="critical"))
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
 
-    async def started() -> bool:
-        return bool(server.started)
-    await until(started, 10, "the test server did not start")
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await serving
+        async def started() -> bool:
+            return bool(server.started)
+        await until(started, 10, "the test server did not start")
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.should_exit = True
+            await serving
 
 
 @dataclass
@@ -91,40 +100,40 @@ class Plane:
 async def start_plane(database_url: str, data_dir: Path, daemon_command: list[str],
                       tick_ms: int = 300, lease_ms: int = 2000, port: int | None = None,
                       **overrides: Any) -> AsyncIterator[Plane]:
-    port = port or free_port()
-    settings = Settings(database_url=database_url, data_dir=data_dir, tick_ms=tick_ms,
-                        lease_ms=lease_ms, daemon_command=daemon_command, **overrides)
-    app = create_app(settings, host="127.0.0.1", port=port)
-    # Idle connections kept as `covey serve` keeps them (covey.cli): with uvicorn's 5 s, a
-    # benchmark's kept-alive client that waited longer on a loaded host found its connection
-    # closed under its next request (kill_latency died of that IncompleteReadError).
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                            lifespan="on", ws="websockets-sansio", ws_per_message_deflate=False,
-                            timeout_keep_alive=30,
-                            # As `covey serve`: a daemon channel whose peer vanished without a
-                            # close held the stop open (a test's teardown hung 30 s, and its
-                            # leftover daemon failed the worker's next test).
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    server = uvicorn.Server(config)
-    serving = asyncio.create_task(server.serve())
-    await until(lambda: _started(server, serving), 30, "control plane did not start")
-    try:
-        yield Plane(f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/api/daemon/ws",
-                    database_url, data_dir, app)
-    finally:
-        server.should_exit = True
+    with loopback_socket(port or 0) as sock:
+        port = sock.getsockname()[1]
+        settings = Settings(database_url=database_url, data_dir=data_dir, tick_ms=tick_ms,
+                            lease_ms=lease_ms, daemon_command=daemon_command, **overrides)
+        app = create_app(settings, host="127.0.0.1", port=port)
+        # Idle connections kept as `covey serve` keeps them (covey.cli): with uvicorn's 5 s, a
+        # benchmark's kept-alive client that waited longer on a loaded host found its connection
+        # closed under its next request (kill_latency died of that IncompleteReadError).
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                lifespan="on", ws="websockets-sansio", ws_per_message_deflate=False,
+                                timeout_keep_alive=30,
+                                # As `covey serve`: a daemon channel whose peer vanished without a
+                                # close held the stop open (a test's teardown hung 30 s, and its
+                                # leftover daemon failed the worker's next test).
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        server = uvicorn.Server(config)
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        await until(lambda: _started(server, serving), 30, "control plane did not start")
         try:
-            await asyncio.wait_for(asyncio.shield(serving), 30)
-        except TimeoutError:
-            # Once seen under CI load, and not since: say what the plane was still waiting
-            # on (uvicorn waits for every open connection's handler), then stop it anyway.
-            stuck = _stacks_of_pending_tasks()
-            server.force_exit = True
-            serving.cancel()
-            raise TimeoutError(f"the control plane did not stop within 30 s; "
-                               f"{len(server.server_state.connections)} connection(s) "
-                               f"open; its pending tasks:\n{stuck}") from None
-
+            yield Plane(f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/api/daemon/ws",
+                        database_url, data_dir, app)
+        finally:
+            server.should_exit = True
+            try:
+                await asyncio.wait_for(asyncio.shield(serving), 30)
+            except TimeoutError:
+                # Once seen under CI load, and not since: say what the plane was still waiting
+                # on (uvicorn waits for every open connection's handler), then stop it anyway.
+                stuck = _stacks_of_pending_tasks()
+                server.force_exit = True
+                serving.cancel()
+                raise TimeoutError(f"the control plane did not stop within 30 s; "
+                                   f"{len(server.server_state.connections)} connection(s) "
+                                   f"open; its pending tasks:\n{stuck}") from None
 
 def _stacks_of_pending_tasks(limit: int = 40) -> str:
     """Where each of this loop's pending tasks waits, one line per frame (at most `limit`

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -98,10 +99,35 @@ class Stack(Protocol):
     def up(self) -> contextlib.AbstractAsyncContextManager[Endpoints]: ...
 
 
+# Ports for servers started next are drawn from here up to the kernel's ephemeral range.
+FREE_PORTS_FROM = 20000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_PICK = random.Random()  # its own: a test that seeds or watches the global one is not touched
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback TCP port no socket holds, for a server the caller starts next (the one
+    free-port helper of the project: tests, benchmarks and stacks take theirs here).
+
+    Drawn below the kernel's ephemeral range: a port that bind(0) hands out is one the kernel
+    may give the next outgoing connection before the server binds it (a CI run's `covey
+    serve` met "address already in use" so, among hundreds of client connections). Below the
+    range only another listener can take it. Where there is no room below the range, bind(0)."""
+    try:
+        first_ephemeral = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 0
+    room = first_ephemeral - FREE_PORTS_FROM >= 1000
+    for _ in range(100):
+        port = _PICK.randrange(FREE_PORTS_FROM, first_ephemeral) if room else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # held, or lingering after a close: draw again
+            return int(s.getsockname()[1])
+    raise RuntimeError(f"no free loopback port in 100 draws from {FREE_PORTS_FROM} up to "
+                       f"{first_ephemeral} (the ephemeral range's start)")
 
 
 async def wait_until_healthy(url: str, deadline_s: float, process: asyncio.subprocess.Process
