@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 
+from harness.act.switch_line import SwitchLine, SwitchRouting, switch
 from harness.stack.waiting import retried
 
 Json = dict[str, Any]
@@ -40,12 +41,15 @@ def retry_after_s(response: httpx.Response) -> float:
 
 class CoveyClient:
     def __init__(self, base_url: str, token: str | None = None, timeout: float = 30,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 line: SwitchLine | None = None) -> None:
         self.token = token  # handed on to processes that act as the same human (load)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        # `transport`: recorded answers instead of a server (the dialect's tests).
-        self.http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout,
-                                      transport=transport)
+        # `transport`: recorded answers instead of a server (the dialect's tests); `line`: a
+        # game day's switch line, which sends this human's stops (harness/act/switch_line.py).
+        self.http = httpx.AsyncClient(
+            base_url=base_url, headers=headers, timeout=timeout,
+            transport=transport if line is None else SwitchRouting(line, transport))
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -67,7 +71,8 @@ class CoveyClient:
 
     @classmethod
     async def signed_in(cls, base_url: str, email: str, password: str,
-                        transport: httpx.AsyncBaseTransport | None = None) -> CoveyClient:
+                        transport: httpx.AsyncBaseTransport | None = None,
+                        line: SwitchLine | None = None) -> CoveyClient:
         """Sign in with email and password, then act with an API token of that human."""
         anonymous = cls(base_url, transport=transport)
         try:
@@ -77,7 +82,7 @@ class CoveyClient:
                                                       json={"name": "game day"}), 201)["token"]
         finally:
             await anonymous.aclose()
-        return cls(base_url, token, transport=transport)
+        return cls(base_url, token, transport=transport, line=line)
 
     # people
     async def me(self) -> httpx.Response:
@@ -147,14 +152,15 @@ class CoveyClient:
         return await self.http.post(f"/api/trigger/{token}", json={"title": title})
 
     # the switches
+    # The stops go down the switch line where the client has one (harness/act/switch_line.py).
     async def kill_agent(self, agent_id: str) -> httpx.Response:
-        return await self.http.post(f"/api/v1/agents/{agent_id}/kill")
+        return await self.http.post(f"/api/v1/agents/{agent_id}/kill", extensions=switch())
 
     async def resume_agent(self, agent_id: str) -> httpx.Response:
         return await self.http.post(f"/api/v1/agents/{agent_id}/resume")
 
     async def kill_fleet(self) -> httpx.Response:
-        return await self.http.post("/api/v1/fleet/kill")
+        return await self.http.post("/api/v1/fleet/kill", extensions=switch())
 
     async def resume_fleet(self) -> httpx.Response:
         return await self.http.post("/api/v1/fleet/resume")
@@ -164,14 +170,16 @@ class CoveyClient:
 
     # the scoped kill flags (DESIGN §2.4): global (platform admins) and tool
     async def stop_globally(self, reason: str) -> httpx.Response:
-        return await self.http.post("/api/v1/flags/global", json={"reason": reason})
+        return await self.http.post("/api/v1/flags/global", json={"reason": reason},
+                                    extensions=switch())
 
     async def clear_global_stop(self, reason: str) -> httpx.Response:
         return await self.http.post("/api/v1/flags/global/clear", json={"reason": reason})
 
     async def stop_tool(self, tool: str, agent_id: str | None, reason: str) -> httpx.Response:
         return await self.http.post("/api/v1/flags/tool", json={
-            "tool": tool, "reason": reason, **({"agent_id": agent_id} if agent_id else {})})
+            "tool": tool, "reason": reason, **({"agent_id": agent_id} if agent_id else {})},
+            extensions=switch())
 
     async def clear_tool_stop(self, tool: str, agent_id: str | None, reason: str
                               ) -> httpx.Response:

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from harness.act.client import CoveyClient
+from harness.act.switch_line import SwitchLine
 from harness.act.upstream import UPSTREAM_LACKS, MockDirectives, UpstreamClient
 
 AUTO = "auto"
@@ -132,11 +133,14 @@ async def detect(url: str, asked: str = AUTO, timeout_s: float = 10,
 
 
 async def sign_in(name: str, url: str, email: str, password: str,
-                  directives: MockDirectives | None = None) -> CoveyClient:
-    """A human of the deployment, signed in as its dialect signs people in."""
+                  directives: MockDirectives | None = None, line: SwitchLine | None = None
+                  ) -> CoveyClient:
+    """A human of the deployment, signed in as its dialect signs people in; its stops sent
+    down `line` when there is one."""
     if name == UPSTREAM:
-        return await UpstreamClient.signed_in_upstream(url, email, password, directives)
-    return await dialect(name).client.signed_in(url, email, password)
+        return await UpstreamClient.signed_in_upstream(url, email, password, directives,
+                                                       line=line)
+    return await dialect(name).client.signed_in(url, email, password, line=line)
 
 
 async def server_version(client: CoveyClient, health: dict[str, Any]) -> dict[str, str]:

@@ -30,6 +30,7 @@ import httpx
 
 from harness.act.client import CoveyClient, json_of
 from harness.act.puppet import Behaviour, LedgerEntry, behaviour_name
+from harness.act.switch_line import SwitchLine
 from harness.record.sandbox_events import sandbox_lives
 
 # Upstream's mock engine: a task that works for a while, then finishes; or one that finishes.
@@ -110,8 +111,9 @@ class UpstreamClient(CoveyClient):
 
     def __init__(self, base_url: str, token: str | None = None, timeout: float = 30,
                  transport: httpx.AsyncBaseTransport | None = None,
-                 directives: MockDirectives | None = None) -> None:
-        super().__init__(base_url, None, timeout, transport)
+                 directives: MockDirectives | None = None, line: SwitchLine | None = None
+                 ) -> None:
+        super().__init__(base_url, None, timeout, transport, line)
         self.directives = directives or MockDirectives()
         # Docker's events are read from a little before this human existed: the game day's
         # agents are all younger.
@@ -120,16 +122,18 @@ class UpstreamClient(CoveyClient):
 
     @classmethod
     async def signed_in(cls, base_url: str, email: str, password: str,
-                        transport: httpx.AsyncBaseTransport | None = None) -> CoveyClient:
-        return await cls.signed_in_upstream(base_url, email, password, transport=transport)
+                        transport: httpx.AsyncBaseTransport | None = None,
+                        line: SwitchLine | None = None) -> CoveyClient:
+        return await cls.signed_in_upstream(base_url, email, password, transport=transport,
+                                            line=line)
 
     @classmethod
     async def signed_in_upstream(cls, base_url: str, email: str, password: str,
                                  directives: MockDirectives | None = None,
-                                 transport: httpx.AsyncBaseTransport | None = None
-                                 ) -> UpstreamClient:
+                                 transport: httpx.AsyncBaseTransport | None = None,
+                                 line: SwitchLine | None = None) -> UpstreamClient:
         """Signed in with a cookie session (upstream has no API tokens)."""
-        client = cls(base_url, transport=transport, directives=directives)
+        client = cls(base_url, transport=transport, directives=directives, line=line)
         try:
             json_of(await client.http.post("/api/v1/auth/login",
                                            json={"email": email, "password": password}))

@@ -22,6 +22,7 @@ from harness.act.dialect import COVEY_GAMEDAY, dialect, sign_in
 from harness.act.expect import Expect
 from harness.act.operator import RECORDING_PAGE, Operator, Until
 from harness.act.puppet import Behaviour, behaviour_name, resolve
+from harness.act.switch_line import SwitchLine
 from harness.act.upstream import MockDirectives
 from harness.judge.bounds import BOUND_PREFIX, Figure, bounded_figures
 from harness.judge.checkers import (
@@ -50,7 +51,7 @@ from harness.record.recorder import phases as phases
 from harness.record.remains import DaemonExit
 from harness.run.rollback import roll_back_loudly
 from harness.run.steady import prepare
-from harness.stack.base import Endpoints
+from harness.stack.base import Endpoints, drop_if_empty
 from harness.stack.isolation import Organisation, agent_slug, run_id
 
 ROLES = ("agent_owner", "security", "auditor", "controlling")
@@ -134,6 +135,8 @@ class GameDay:
     # Organisations beside the game day's own (`organisation_beside`), each by id with its
     # admin, who reads and rolls back that organisation's agents of the game day.
     admins_beside: dict[str, CoveyClient] = field(default_factory=dict)
+    # The process its people's stops are sent from (harness/act/switch_line.py), from enlist.
+    line: SwitchLine | None = None
     steady_state: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     # The checkers this game day must be able to decide (its `decides` marker), and the
@@ -186,12 +189,17 @@ class GameDay:
         token here, a cookie session on upstream covey)."""
         directives = self.endpoints.puppet
         return await sign_in(self.dialect_name, self.endpoints.url, email, password,
-                             directives if isinstance(directives, MockDirectives) else None)
+                             directives if isinstance(directives, MockDirectives) else None,
+                             line=self.line)
 
     async def enlist(self) -> None:
         """The org admin from the stack, and one human per other role, made up from the
         seed (a failing game day replays with the same names)."""
         e = self.endpoints
+        if self.line is None:
+            self.report_dir.mkdir(parents=True, exist_ok=True)
+            self.line = await SwitchLine.start(self._line_log)
+            self.journal_sections["switch_line"] = self.line.priority.to_json()
         self.people["org_admin"] = await self.sign_in(e.admin_email, e.admin_password)
         for role in ROLES:
             # The run in the address: emails are unique across organisations, and a replay
@@ -286,7 +294,8 @@ class GameDay:
         replica), made on first use and closed with the game day."""
         client = self._people_at.get((role, url))
         if client is None:
-            client = self._people_at[(role, url)] = CoveyClient(url, self.people[role].token)
+            client = self._people_at[(role, url)] = CoveyClient(url, self.people[role].token,
+                                                                line=self.line)
         return client
 
     @property
@@ -591,7 +600,14 @@ class GameDay:
         outcome.verdicts, outcome.samples, outcome.final = await self.judge()
         return outcome.final
 
+    @property
+    def _line_log(self) -> Path:
+        return self.report_dir / f"switch-line-{self.name}-{self.run_id}.log"
+
     async def close(self) -> None:
         for client in (*self.people.values(), *self._people_at.values(),
                        *self.admins_beside.values()):
             await client.aclose()
+        if self.line is not None:
+            await self.line.aclose()
+            drop_if_empty(self._line_log)

@@ -1,0 +1,155 @@
+"""The operators' stops leave from the switch line's process, at the plane's priority, with the
+human's own credentials; everything else leaves from the harness; and a line that cannot send
+says so as the harness itself would have (harness/act/switch_line.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from covey.testing.plane import served
+from harness.act.client import CoveyClient
+from harness.act.switch_line import LINE_NICE, SwitchLine
+from harness.stack.base import free_port
+
+TOKEN = "cvy_line_test_token"
+
+
+def echo_app(held: asyncio.Event, release: asyncio.Event
+             ) -> tuple[FastAPI, list[dict[str, Any]]]:
+    """Says what reached it and from which local port; a kill of agent `slow` sets `held`,
+    then waits for `release`."""
+    app, seen = FastAPI(), []
+
+    async def echo(request: Request) -> JSONResponse:
+        heard = {"method": request.method, "path": request.url.path,
+                 "authorization": request.headers.get("authorization"),
+                 "cookie": request.headers.get("cookie"),
+                 "body": (await request.body()).decode(),
+                 "port": request.client.port if request.client else None}
+        seen.append(heard)
+        if request.url.path.endswith("/slow/kill"):
+            held.set()
+            await release.wait()
+        answer = JSONResponse(heard, status_code=202 if request.method == "POST" else 200)
+        answer.set_cookie("session", "from-the-plane")
+        return answer
+
+    app.add_api_route("/api/v1/{rest:path}", echo, methods=["GET", "POST"])
+    return app, seen
+
+
+def sender_of(port: int) -> int | None:
+    """The pid whose socket has local port `port` on the loopback interface."""
+    for c in psutil.net_connections(kind="tcp"):
+        if c.laddr and c.laddr.port == port and c.pid is not None:
+            return int(c.pid)
+    return None
+
+
+@asynccontextmanager
+async def line_and_server(tmp_path: Path) -> AsyncIterator[tuple[SwitchLine, str, list[
+        dict[str, Any]], asyncio.Event]]:
+    """The line, and a server that answers at its URL; the event is set when a kill of
+    agent `slow` is at the server (its answer held until the block ends)."""
+    held, release = asyncio.Event(), asyncio.Event()
+    app, seen = echo_app(held, release)
+    line = await SwitchLine.start(tmp_path / "line.log")
+    try:
+        async with served(app) as url:
+            try:
+                yield line, url, seen, held
+            finally:
+                release.set()  # the server's stop waits for the held answer
+    finally:
+        await line.aclose()
+
+
+async def test_a_stop_leaves_from_the_line_and_a_read_from_the_harness(tmp_path: Path) -> None:
+    async with line_and_server(tmp_path) as (line, url, seen, _):
+        client = CoveyClient(url, TOKEN, line=line)
+        try:
+            killed = await client.kill_fleet()
+            # Kept alive: the line's connection is still open for psutil to find.
+            kill_sender = sender_of(killed.json()["port"])
+            flagged = await client.stop_globally("the line carries a body")
+            read = await client.fleet()
+            read_sender = sender_of(read.json()["port"])
+        finally:
+            await client.aclose()
+    assert killed.status_code == 202, killed.text
+    assert killed.json()["authorization"] == f"Bearer {TOKEN}", "the human's token was lost"
+    assert kill_sender == line.process.pid, (
+        f"the fleet kill came from pid {kill_sender}, not the line's {line.process.pid}")
+    assert read_sender == os.getpid(), (
+        f"a read came from pid {read_sender}, not the harness's {os.getpid()}")
+    assert flagged.json()["body"] == '{"reason":"the line carries a body"}', flagged.text
+    assert [s["path"] for s in seen] == ["/api/v1/fleet/kill", "/api/v1/flags/global",
+                                         "/api/v1/fleet"]
+
+
+async def test_the_line_keeps_no_cookie_and_the_human_keeps_theirs(tmp_path: Path) -> None:
+    async with line_and_server(tmp_path) as (line, url, seen, _):
+        cookied, other = CoveyClient(url, line=line), CoveyClient(url, TOKEN, line=line)
+        try:
+            await cookied.kill_fleet()  # its answer sets the session cookie
+            await cookied.kill_fleet()
+            await other.kill_fleet()
+        finally:
+            await cookied.aclose()
+            await other.aclose()
+    assert [s["cookie"] for s in seen] == [None, "session=from-the-plane", None], (
+        "a cookie went to the wrong human, or the human lost theirs")
+
+
+async def test_a_line_that_cannot_reach_the_plane_says_it_was_not_sent(tmp_path: Path) -> None:
+    line = await SwitchLine.start(tmp_path / "line.log")
+    client = CoveyClient(f"http://127.0.0.1:{free_port()}", TOKEN, line=line)
+    try:
+        with pytest.raises(httpx.ConnectError):
+            await client.kill_agent("a1")
+    finally:
+        await client.aclose()
+        await line.aclose()
+
+
+async def test_a_line_gone_under_its_request_says_nobody_knows(tmp_path: Path) -> None:
+    async with line_and_server(tmp_path) as (line, url, _, held):
+        client = CoveyClient(url, TOKEN, line=line)
+        try:
+            kill = asyncio.create_task(client.kill_agent("slow"))
+            await asyncio.wait_for(held.wait(), 30)  # at the plane, its answer held
+            line.process.kill()
+            with pytest.raises(httpx.ReadError, match="may have reached the control plane"):
+                await asyncio.wait_for(kill, 30)
+            with pytest.raises(httpx.ConnectError, match="not sent"):
+                await client.kill_fleet()
+            assert (await client.fleet()).status_code == 200, "a read needs no line"
+        finally:
+            await client.aclose()
+
+
+def _autogroups_weigh_here() -> bool:
+    return (os.geteuid() == 0
+            and Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1")
+
+
+@pytest.mark.skipif(not _autogroups_weigh_here(), reason="needs root and autogroups")
+async def test_the_line_weighs_as_the_plane_does(tmp_path: Path) -> None:
+    line = await SwitchLine.start(tmp_path / "line.log")
+    try:
+        autogroup = await asyncio.to_thread(Path(f"/proc/{line.process.pid}/autogroup").read_text)
+    finally:
+        await line.aclose()
+    assert line.priority.nice == LINE_NICE, line.priority
+    assert autogroup.split()[-1] == str(LINE_NICE), f"the line's autogroup: {autogroup}"
