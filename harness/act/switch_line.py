@@ -8,15 +8,17 @@ its stamp of the operator's request and the request's write: a median 5.8 ms and
 terminal is not the fleet's host. The stamp stays where it is (recorder.operate, the instant
 before the call): from there, a switch request goes into this process's pipe without the
 harness's event loop turning once (`SwitchRouting` writes it at once), and this process,
-idle until then and weighed as the plane is (its autogroup at LINE_NICE), sends it.
+idle until then and weighed as the plane is (its autogroup at LINE_NICE), sends it on that
+human's own connections.
 
 Only the requests a scenario marks as switches (`SWITCH` in the request's extensions: a
 kill, a stop) take this way; every read and every other write stays in the harness, so the
 priority lends nothing to the load. What the wire says is the harness's own request: its
-method, URL, headers (the human's token or cookie) and body, sent with one kept-alive
-connection pool, as the harness's clients keep theirs. A request the line cannot send
-comes back as the httpx error the harness would have met; when the line itself is gone the
-request may have left, and the harness says it does not know (a read error, recorded as info).
+method, URL, headers (the human's token or cookie) and body, sent with a kept-alive
+connection pool for each human, as the harness's clients keep theirs. A request the line
+cannot send comes back as the httpx error the harness would have met; when the line itself
+is gone the request may have left, and the harness says it does not know (a read error,
+recorded as info).
 
     python -m harness.act.switch_line   # frames on stdin, answers on stdout (JSON lines)
 """
@@ -91,16 +93,18 @@ class SwitchLine:
                 from None
         return cls(process, Priority(ready["nice"], ready["reason"]))
 
-    async def send(self, request: httpx.Request) -> httpx.Response:
+    async def send(self, request: httpx.Request, human: int) -> httpx.Response:
         """Write the request into the line now (no await before the write: the operator's
-        stamp was taken just before), then wait for its answer."""
+        stamp was taken just before), then wait for its answer. `human`: whose connections
+        it may reuse (each human's client keeps its own, as in the harness)."""
         if self._reading.done() or self.process.stdin is None:
             raise httpx.ConnectError("the switch line has exited: the request was not sent",
                                      request=request)
         number = next(self._ids)
         answered = self._waiting[number] = asyncio.get_running_loop().create_future()
         timeout = request.extensions.get("timeout", {})
-        frame = {"id": number, "method": request.method, "url": str(request.url),
+        frame = {"id": number, "human": human, "method": request.method,
+                 "url": str(request.url),
                  "headers": [[k.decode("latin-1"), v.decode("latin-1")]
                              for k, v in request.headers.raw],
                  "body": base64.b64encode(request.read()).decode(),
@@ -149,15 +153,19 @@ def _error(name: str, message: str, request: httpx.Request) -> httpx.HTTPError:
     return httpx.TransportError(f"{name}: {message}", request=request)
 
 
+_humans = itertools.count(1)
+
+
 class SwitchRouting(httpx.AsyncBaseTransport):
     """A client's transport: switch requests down the line, the rest as usual."""
 
     def __init__(self, line: SwitchLine, rest: httpx.AsyncBaseTransport | None = None) -> None:
         self.line, self.rest = line, rest or httpx.AsyncHTTPTransport()
+        self.human = next(_humans)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.extensions.get(SWITCH):
-            return await self.line.send(request)
+            return await self.line.send(request, self.human)
         return await self.rest.handle_async_request(request)
 
     async def aclose(self) -> None:
@@ -179,8 +187,8 @@ def raise_priority(nice: int, autogroup: Path = AUTOGROUP) -> Priority:
 
 
 class _NoCookies(http.cookiejar.DefaultCookiePolicy):
-    """Each human's cookie travels in the harness's request; the line keeps none of its own
-    (it sends for every human of the game day)."""
+    """Each human's cookie travels in the harness's request, which keeps it; the line keeps
+    none of its own."""
 
     def set_ok(self, cookie: http.cookiejar.Cookie, request: Any) -> bool:
         return False
@@ -211,11 +219,22 @@ def main() -> None:
             out.flush()
 
     answer(priority.to_json())
-    jar = http.cookiejar.CookieJar(policy=_NoCookies())
-    with (httpx.Client(cookies=jar, follow_redirects=False) as client,
-          ThreadPoolExecutor(AT_ONCE, thread_name_prefix="switch") as pool):
+    # One client per human, as in the harness: a switch reuses only its own human's kept-alive
+    # connection, never one another human's request opened a moment before.
+    clients: dict[int, httpx.Client] = {}
+
+    def client_of(human: int) -> httpx.Client:
+        with writing:
+            if human not in clients:
+                jar = http.cookiejar.CookieJar(policy=_NoCookies())
+                clients[human] = httpx.Client(cookies=jar, follow_redirects=False)
+            return clients[human]
+
+    with ThreadPoolExecutor(AT_ONCE, thread_name_prefix="switch") as pool:
         for line in sys.stdin.buffer:  # ends when the harness closes the pipe (or dies)
-            pool.submit(lambda frame: answer(_send(client, frame)), json.loads(line))
+            pool.submit(lambda f: answer(_send(client_of(f["human"]), f)), json.loads(line))
+    for client in clients.values():
+        client.close()
 
 
 if __name__ == "__main__":

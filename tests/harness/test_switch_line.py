@@ -112,6 +112,21 @@ async def test_the_line_keeps_no_cookie_and_the_human_keeps_theirs(tmp_path: Pat
         "a cookie went to the wrong human, or the human lost theirs")
 
 
+async def test_each_human_keeps_their_own_connections_on_the_line(tmp_path: Path) -> None:
+    async with line_and_server(tmp_path) as (line, url, seen, _):
+        owner, security = CoveyClient(url, "owner", line=line), CoveyClient(url, "sec", line=line)
+        try:
+            await owner.kill_agent("a1")
+            await security.kill_fleet()
+            await owner.kill_agent("a2")
+        finally:
+            await owner.aclose()
+            await security.aclose()
+    first, fleet, second = (s["port"] for s in seen)
+    assert first == second, "the owner's second kill did not reuse the owner's connection"
+    assert fleet != first, "security's kill went out on the owner's connection"
+
+
 async def test_a_line_that_cannot_reach_the_plane_says_it_was_not_sent(tmp_path: Path) -> None:
     line = await SwitchLine.start(tmp_path / "line.log")
     client = CoveyClient(f"http://127.0.0.1:{free_port()}", TOKEN, line=line)
