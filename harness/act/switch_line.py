@@ -93,6 +93,12 @@ class SwitchLine:
                 from None
         return cls(process, Priority(ready["nice"], ready["reason"]))
 
+    def enlist(self, human: int) -> None:
+        """Have the line make `human`'s client now, not on their first switch: making one
+        took 45-190 ms on a loaded host, which would have counted against the switch."""
+        if self.process.stdin is not None and not self._reading.done():
+            self.process.stdin.write(json.dumps({"human": human}).encode() + b"\n")
+
     async def send(self, request: httpx.Request, human: int) -> httpx.Response:
         """Write the request into the line now (no await before the write: the operator's
         stamp was taken just before), then wait for its answer. `human`: whose connections
@@ -162,6 +168,7 @@ class SwitchRouting(httpx.AsyncBaseTransport):
     def __init__(self, line: SwitchLine, rest: httpx.AsyncBaseTransport | None = None) -> None:
         self.line, self.rest = line, rest or httpx.AsyncHTTPTransport()
         self.human = next(_humans)
+        line.enlist(self.human)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.extensions.get(SWITCH):
@@ -218,21 +225,24 @@ def main() -> None:
             out.write(json.dumps(reply).encode() + b"\n")
             out.flush()
 
-    answer(priority.to_json())
     # One client per human, as in the harness: a switch reuses only its own human's kept-alive
-    # connection, never one another human's request opened a moment before.
+    # connection, never one another human's request opened a moment before. Each is made
+    # when its human is enlisted, with one TLS context made here (loading the CA bundle is
+    # most of what making a client costs).
+    verify = httpx.create_ssl_context()
+    httpx.Client(verify=verify).close()  # the first client of a process also pays for imports
     clients: dict[int, httpx.Client] = {}
-
-    def client_of(human: int) -> httpx.Client:
-        with writing:
-            if human not in clients:
-                jar = http.cookiejar.CookieJar(policy=_NoCookies())
-                clients[human] = httpx.Client(cookies=jar, follow_redirects=False)
-            return clients[human]
-
+    answer(priority.to_json())
     with ThreadPoolExecutor(AT_ONCE, thread_name_prefix="switch") as pool:
         for line in sys.stdin.buffer:  # ends when the harness closes the pipe (or dies)
-            pool.submit(lambda f: answer(_send(client_of(f["human"]), f)), json.loads(line))
+            frame = json.loads(line)
+            human = frame["human"]
+            if human not in clients:
+                clients[human] = httpx.Client(
+                    verify=verify, follow_redirects=False,
+                    cookies=http.cookiejar.CookieJar(policy=_NoCookies()))
+            if "id" in frame:
+                pool.submit(lambda f, c: answer(_send(c, f)), frame, clients[human])
     for client in clients.values():
         client.close()
 
