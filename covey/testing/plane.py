@@ -135,6 +135,7 @@ async def start_plane(database_url: str, data_dir: Path, daemon_command: list[st
                                    f"{len(server.server_state.connections)} connection(s) "
                                    f"open; its pending tasks:\n{stuck}") from None
 
+
 def _stacks_of_pending_tasks(limit: int = 40) -> str:
     """Where each of this loop's pending tasks waits, one line per frame (at most `limit`
     tasks), to say what a stop that hung was waiting on."""

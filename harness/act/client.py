@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from harness.act.switch_line import SwitchLine, SwitchRouting, switch
+from harness.act.switch_line import SwitchLine
 from harness.stack.waiting import retried
 
 Json = dict[str, Any]
@@ -45,14 +45,27 @@ class CoveyClient:
                  line: SwitchLine | None = None) -> None:
         self.token = token  # handed on to processes that act as the same human (load)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        # `transport`: recorded answers instead of a server (the dialect's tests); `line`: a
-        # game day's switch line, which sends this human's stops (harness/act/switch_line.py).
-        self.http = httpx.AsyncClient(
-            base_url=base_url, headers=headers, timeout=timeout,
-            transport=transport if line is None else SwitchRouting(line, transport))
+        # `transport`: recorded answers instead of a server (the dialect's tests).
+        self.http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout,
+                                      transport=transport)
+        # A game day's switch line, which sends this human's stops (harness/act/switch_line.py).
+        self.line = line
+        self.on_line = line.enlist() if line is not None else 0
 
     async def aclose(self) -> None:
+        if self.line is not None:
+            self.line.dismiss(self.on_line)
         await self.http.aclose()
+
+    async def _stop(self, path: str, body: Json | None = None) -> httpx.Response:
+        """POST a stop: down the switch line where there is one, as this client would send
+        it (its URL, headers, cookies, timeouts); otherwise from here."""
+        if self.line is None:
+            return await self.http.post(path, json=body)
+        request = self.http.build_request("POST", path, json=body)
+        response = await self.line.send(request, self.on_line)
+        self.http.cookies.extract_cookies(response)
+        return response
 
     async def get(self, path: str, **params: Any) -> httpx.Response:
         """GET, waited out while the control plane sheds reads (429 with Retry-After: it
@@ -152,15 +165,14 @@ class CoveyClient:
         return await self.http.post(f"/api/trigger/{token}", json={"title": title})
 
     # the switches
-    # The stops go down the switch line where the client has one (harness/act/switch_line.py).
     async def kill_agent(self, agent_id: str) -> httpx.Response:
-        return await self.http.post(f"/api/v1/agents/{agent_id}/kill", extensions=switch())
+        return await self._stop(f"/api/v1/agents/{agent_id}/kill")
 
     async def resume_agent(self, agent_id: str) -> httpx.Response:
         return await self.http.post(f"/api/v1/agents/{agent_id}/resume")
 
     async def kill_fleet(self) -> httpx.Response:
-        return await self.http.post("/api/v1/fleet/kill", extensions=switch())
+        return await self._stop("/api/v1/fleet/kill")
 
     async def resume_fleet(self) -> httpx.Response:
         return await self.http.post("/api/v1/fleet/resume")
@@ -170,16 +182,14 @@ class CoveyClient:
 
     # the scoped kill flags (DESIGN §2.4): global (platform admins) and tool
     async def stop_globally(self, reason: str) -> httpx.Response:
-        return await self.http.post("/api/v1/flags/global", json={"reason": reason},
-                                    extensions=switch())
+        return await self._stop("/api/v1/flags/global", {"reason": reason})
 
     async def clear_global_stop(self, reason: str) -> httpx.Response:
         return await self.http.post("/api/v1/flags/global/clear", json={"reason": reason})
 
     async def stop_tool(self, tool: str, agent_id: str | None, reason: str) -> httpx.Response:
-        return await self.http.post("/api/v1/flags/tool", json={
-            "tool": tool, "reason": reason, **({"agent_id": agent_id} if agent_id else {})},
-            extensions=switch())
+        return await self._stop("/api/v1/flags/tool", {
+            "tool": tool, "reason": reason, **({"agent_id": agent_id} if agent_id else {})})
 
     async def clear_tool_stop(self, tool: str, agent_id: str | None, reason: str
                               ) -> httpx.Response:

@@ -19,6 +19,7 @@ import httpx
 
 from harness.act.client import CoveyClient, json_of
 from harness.act.dialect import dialect
+from harness.act.switch_line import LINE_EXTENSION, SwitchLineGone
 from harness.judge.checkers import SANDBOX_REMAINS_F
 from harness.record.history import History
 from harness.record.remains import DaemonExit, daemon_exits, remains_of
@@ -81,6 +82,9 @@ class Recorder:
         except httpx.HTTPError as exc:
             self.history.complete(invoke, "info", {"error": repr(exc)})
             raise
+        except SwitchLineGone as exc:  # the harness's fault; whether the stop arrived is unknown
+            self.history.complete(invoke, "info", {"error": repr(exc), "harness_fault": True})
+            raise
         outcome: Literal["ok", "fail", "info"] = (
             "ok" if r.is_success else "info" if r.status_code == 503 else "fail")
         # The live output shows the switches and every refusal; a routine success (a task
@@ -95,6 +99,8 @@ class Recorder:
         body = r.json() if r.headers.get("content-type", "").startswith("application/json") \
             else {}
         result: dict[str, Any] = {"status": r.status_code, "body": body}
+        if LINE_EXTENSION in r.extensions:
+            result["line"] = r.extensions[LINE_EXTENSION]  # the stop's way before the wire
         if f == "wake" and isinstance(body, dict) and "outcome" in body:
             result["outcome"] = body["outcome"]  # a busy agent's wake started nothing
         elif f == "wake" and not dialect(self.dialect_name).reports:

@@ -1,11 +1,15 @@
 """The operators' stops leave from the switch line's process, at the plane's priority, with the
-human's own credentials; everything else leaves from the harness; and a line that cannot send
-says so as the harness itself would have (harness/act/switch_line.py)."""
+human's own credentials and connections, written with no turn of the harness's event loop
+after the stamp; everything else leaves from the harness; and a line that cannot send says so
+as the harness itself would have, or as the harness's own fault (harness/act/switch_line.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -16,10 +20,17 @@ import psutil
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.middleware.gzip import GZipMiddleware
 
 from covey.testing.plane import served
 from harness.act.client import CoveyClient
-from harness.act.switch_line import LINE_NICE, SwitchLine
+from harness.act.switch_line import (
+    LINE_EXTENSION,
+    LINE_NICE,
+    SwitchLine,
+    SwitchLineGone,
+    _send,
+)
 from harness.stack.base import free_port
 
 TOKEN = "cvy_line_test_token"
@@ -27,9 +38,10 @@ TOKEN = "cvy_line_test_token"
 
 def echo_app(held: asyncio.Event, release: asyncio.Event
              ) -> tuple[FastAPI, list[dict[str, Any]]]:
-    """Says what reached it and from which local port; a kill of agent `slow` sets `held`,
-    then waits for `release`."""
+    """Says what reached it and from which local port, gzipped; a kill of agent `slow` sets
+    `held`, then waits for `release`."""
     app, seen = FastAPI(), []
+    app.add_middleware(GZipMiddleware, minimum_size=0)
 
     async def echo(request: Request) -> JSONResponse:
         heard = {"method": request.method, "path": request.url.path,
@@ -96,20 +108,44 @@ async def test_a_stop_leaves_from_the_line_and_a_read_from_the_harness(tmp_path:
     assert flagged.json()["body"] == '{"reason":"the line carries a body"}', flagged.text
     assert [s["path"] for s in seen] == ["/api/v1/fleet/kill", "/api/v1/flags/global",
                                          "/api/v1/fleet"]
+    way, again = killed.extensions[LINE_EXTENSION], flagged.extensions[LINE_EXTENSION]
+    assert way["connected"] and not again["connected"], (
+        f"the first stop opens the human's connection, the second reuses it: {way}, {again}")
+    assert way["received_ns"] <= way["written_ns"], way
+
+
+async def test_a_stop_is_written_into_the_line_before_the_event_loop_turns(
+        tmp_path: Path) -> None:
+    async with line_and_server(tmp_path) as (line, url, _, _):
+        client = CoveyClient(url, TOKEN, line=line)
+        assert line.process.stdin is not None
+        order: list[str] = []
+        write = line.process.stdin.write
+
+        def written(data: bytes) -> None:
+            order.append("written")
+            write(data)
+        line.process.stdin.write = written  # type: ignore[method-assign]
+        try:
+            asyncio.get_running_loop().call_soon(order.append, "the loop turned")
+            await client.kill_fleet()
+        finally:
+            await client.aclose()
+    assert order[:2] == ["written", "the loop turned"], order
 
 
 async def test_the_line_keeps_no_cookie_and_the_human_keeps_theirs(tmp_path: Path) -> None:
     async with line_and_server(tmp_path) as (line, url, seen, _):
-        cookied, other = CoveyClient(url, line=line), CoveyClient(url, TOKEN, line=line)
+        client = CoveyClient(url, line=line)
         try:
-            await cookied.kill_fleet()  # its answer sets the session cookie
-            await cookied.kill_fleet()
-            await other.kill_fleet()
+            await client.kill_fleet()  # its answer sets the session cookie, in the harness
+            await client.kill_fleet()
+            client.http.cookies.clear()  # signed out: no cookie may travel any more
+            await client.kill_fleet()
         finally:
-            await cookied.aclose()
-            await other.aclose()
+            await client.aclose()
     assert [s["cookie"] for s in seen] == [None, "session=from-the-plane", None], (
-        "a cookie went to the wrong human, or the human lost theirs")
+        "the human lost their cookie, or the line sent one of its own")
 
 
 async def test_each_human_keeps_their_own_connections_on_the_line(tmp_path: Path) -> None:
@@ -138,33 +174,67 @@ async def test_a_line_that_cannot_reach_the_plane_says_it_was_not_sent(tmp_path:
         await line.aclose()
 
 
-async def test_a_line_gone_under_its_request_says_nobody_knows(tmp_path: Path) -> None:
+async def test_a_line_gone_under_its_request_is_the_harness_s_fault(tmp_path: Path) -> None:
     async with line_and_server(tmp_path) as (line, url, _, held):
         client = CoveyClient(url, TOKEN, line=line)
         try:
             kill = asyncio.create_task(client.kill_agent("slow"))
             await asyncio.wait_for(held.wait(), 30)  # at the plane, its answer held
             line.process.kill()
-            with pytest.raises(httpx.ReadError, match="may have reached the control plane"):
+            with pytest.raises(SwitchLineGone, match="may have reached the control plane"):
                 await asyncio.wait_for(kill, 30)
-            with pytest.raises(httpx.ConnectError, match="not sent"):
+            with pytest.raises(SwitchLineGone, match="has exited"):
                 await client.kill_fleet()
             assert (await client.fleet()).status_code == 200, "a read needs no line"
         finally:
             await client.aclose()
 
 
-def _autogroups_weigh_here() -> bool:
-    return (os.geteuid() == 0
-            and Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1")
+async def test_a_line_that_hangs_is_given_up_after_the_request_s_timeouts(
+        tmp_path: Path) -> None:
+    async with line_and_server(tmp_path) as (line, url, seen, _):
+        client = CoveyClient(url, TOKEN, timeout=0.25, line=line)
+        line.process.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(SwitchLineGone, match="did not answer within 6 s"):
+                await asyncio.wait_for(client.kill_fleet(), 30)
+            assert seen == [], "a stopped line sent the request"
+        finally:
+            line.process.send_signal(signal.SIGCONT)  # it then sends it, late: the fault said
+            await client.aclose()
 
 
-@pytest.mark.skipif(not _autogroups_weigh_here(), reason="needs root and autogroups")
-async def test_the_line_weighs_as_the_plane_does(tmp_path: Path) -> None:
+def test_the_line_answers_whatever_goes_wrong_with_a_request() -> None:
+    with httpx.Client() as client:
+        answer = _send(client, {"id": 7, "method": "POST", "url": "http://[::1", "headers": [],
+                                "body": "", "timeout": {}}, 0)
+    assert answer["id"] == 7 and answer["error"], answer
+
+
+# Whether this host lets a session leader lower its autogroup's nice at all.
+MAY_LOWER = ("import pathlib, sys\n"
+             "try:\n    pathlib.Path('/proc/self/autogroup').write_text('-1')\n"
+             "except OSError:\n    sys.exit(1)")
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(),
+                    reason="this kernel has no autogroup scheduling")
+async def test_the_line_says_the_priority_the_kernel_gives_it(tmp_path: Path) -> None:
     line = await SwitchLine.start(tmp_path / "line.log")
     try:
-        autogroup = await asyncio.to_thread(Path(f"/proc/{line.process.pid}/autogroup").read_text)
+        autogroup = await asyncio.to_thread(
+            Path(f"/proc/{line.process.pid}/autogroup").read_text)
     finally:
         await line.aclose()
-    assert line.priority.nice == LINE_NICE, line.priority
-    assert autogroup.split()[-1] == str(LINE_NICE), f"the line's autogroup: {autogroup}"
+    shown = autogroup.split()[-1]
+    if line.priority.nice is None:
+        assert shown == "0" and line.priority.reason, (line.priority, autogroup)
+    else:
+        assert (line.priority.nice, shown) == (LINE_NICE, str(LINE_NICE)), (
+            line.priority, autogroup)
+    probe = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", MAY_LOWER],
+                                    start_new_session=True, timeout=60)
+    if probe.returncode == 0 and line.priority.nice is None:
+        assert "do not weigh" in line.priority.reason or "is off" in line.priority.reason, (
+            f"where it may, the line did not, and gave no reason of the kernel's: "
+            f"{line.priority}")
