@@ -14,8 +14,9 @@ What the wire carries is the harness's own request (built by the human's client:
 headers with the token or cookie, body), on a kept-alive connection pool of that human's
 own, made when the human's client is: nothing is warmed that the harness's client would not
 have had. Each answer says where the stop's time went before the wire (`LINE_EXTENSION`:
-when the line read it, whether it opened a connection, when it wrote it), and the recorder
-keeps that beside the outcome. Reads and every other write stay in the harness.
+when the harness handed it to the line, when the line read it, whether it opened a
+connection, when it wrote it), and the recorder keeps that beside the outcome. Reads and
+every other write stay in the harness.
 
 A request the line could not send comes back as the httpx error the harness would have met
 (a refused connection, a timeout). A line that died or hangs is the harness's fault, not the
@@ -129,7 +130,7 @@ class SwitchLine:
                          "headers": [[k.decode("latin-1"), v.decode("latin-1")]
                                      for k, v in request.headers.raw],
                          "body": base64.b64encode(request.read()).decode(),
-                         "timeout": phases})
+                         "timeout": phases, "handed_ns": time.time_ns()})
             deadline = (None if None in phases.values()
                         else sum(phases.values()) + LINE_GRACE_S)
             answer = await asyncio.wait_for(answered, deadline)
@@ -220,7 +221,8 @@ class _NoCookies(http.cookiejar.DefaultCookiePolicy):
 
 def _send(client: httpx.Client, frame: dict[str, Any], received_ns: int) -> dict[str, Any]:
     """One request as the frame says, and its answer; never raises (an answer is owed)."""
-    line: dict[str, Any] = {"received_ns": received_ns, "connected": False}
+    line: dict[str, Any] = {"handed_ns": frame["handed_ns"], "received_ns": received_ns,
+                            "connected": False}
 
     def trace(name: str, info: Any) -> None:
         if name == "connection.connect_tcp.started":

@@ -111,7 +111,7 @@ async def test_a_stop_leaves_from_the_line_and_a_read_from_the_harness(tmp_path:
     way, again = killed.extensions[LINE_EXTENSION], flagged.extensions[LINE_EXTENSION]
     assert way["connected"] and not again["connected"], (
         f"the first stop opens the human's connection, the second reuses it: {way}, {again}")
-    assert way["received_ns"] <= way["written_ns"], way
+    assert way["handed_ns"] <= way["received_ns"] <= way["written_ns"], way
 
 
 async def test_a_stop_is_written_into_the_line_before_the_event_loop_turns(
@@ -206,8 +206,8 @@ async def test_a_line_that_hangs_is_given_up_after_the_request_s_timeouts(
 
 def test_the_line_answers_whatever_goes_wrong_with_a_request() -> None:
     with httpx.Client() as client:
-        answer = _send(client, {"id": 7, "method": "POST", "url": "http://[::1", "headers": [],
-                                "body": "", "timeout": {}}, 0)
+        answer = _send(client, {"id": 7, "method": "POST", "url": "http://[::1",
+                                "headers": [], "body": "", "timeout": {}, "handed_ns": 0}, 0)
     assert answer["id"] == 7 and answer["error"], answer
 
 
