@@ -3,7 +3,6 @@ migrated template, and real control planes served by uvicorn on loopback ports."
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 import uuid
@@ -13,17 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 
 from covey.db import migrate
 from covey.testing import SCRIPTED_DAEMON
-from covey.testing.plane import Plane, World, make_world, start_plane
+from covey.testing.plane import Plane, World, make_world, served, start_plane
 from harness.act.browser import chromium
 from harness.act.puppet import Puppet, create_app
 from harness.nemesis.watchdog import STATE_ENV
-from harness.stack.base import free_port
 from harness.stack.postgres import create_database, database_of_its_own, postgres_server
-from harness.stack.waiting import eventually
 
 # The control planes these tests start (`covey serve` under a processes stack, often several
 # at once on a 2-core CI host) do not outrank the tests' own processes: a plane that
@@ -82,20 +78,8 @@ async def world(plane: Plane) -> AsyncIterator[World]:
 async def puppet_model() -> AsyncIterator[tuple[str, Puppet]]:
     """The harness's puppet model on a loopback port: (its /v1 URL, the puppet)."""
     puppet = Puppet()
-    app = create_app(puppet)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    serving = asyncio.create_task(server.serve())
-
-    async def started() -> bool:
-        return server.started
-    await eventually(started, 10, "puppet model did not start")
-    try:
-        yield f"http://127.0.0.1:{port}/v1", puppet
-    finally:
-        server.should_exit = True
-        await serving
+    async with served(create_app(puppet)) as url:
+        yield f"{url}/v1", puppet
 
 
 @pytest.fixture

@@ -127,8 +127,7 @@ class SwitchLine:
         try:
             self._write({"id": number, "human": human, "method": request.method,
                          "url": str(request.url),
-                         "headers": [[k.decode("latin-1"), v.decode("latin-1")]
-                                     for k, v in request.headers.raw],
+                         "headers": _pairs(request.headers),
                          "body": base64.b64encode(request.read()).decode(),
                          "timeout": phases, "handed_ns": time.time_ns()})
             deadline = (None if None in phases.values()
@@ -177,6 +176,12 @@ class SwitchLine:
             await self.process.wait()
         with contextlib.suppress(Exception):
             await self._reading
+
+
+def _pairs(headers: httpx.Headers, leaving: tuple[bytes, ...] = ()) -> list[list[str]]:
+    """Headers as they went on the wire, in order, for a frame (`leaving` out, lower case)."""
+    return [[k.decode("latin-1"), v.decode("latin-1")] for k, v in headers.raw
+            if k.lower() not in leaving]
 
 
 def _error(name: str, message: str, request: httpx.Request) -> Exception:
@@ -239,8 +244,7 @@ def _send(client: httpx.Client, frame: dict[str, Any], received_ns: int) -> dict
         return {"id": frame["id"], "error": type(exc).__name__, "message": str(exc)}
     # The body goes back decoded: its encoding and length headers would no longer be true.
     return {"id": frame["id"], "status": r.status_code, "line": line,
-            "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in r.headers.raw
-                        if k.lower() not in UNFRAMED],
+            "headers": _pairs(r.headers, leaving=UNFRAMED),
             "body": base64.b64encode(r.content).decode()}
 
 
