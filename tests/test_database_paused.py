@@ -1,5 +1,5 @@
 """Postgres paused (every process of it SIGSTOPped, its sockets open: a frozen disk or VM as its
-clients see it): /healthz answers 503 within 1 s, and a kill, a read and a write each answer
+clients see it): /healthz answers 503 within 0.8 s, and a kill, a read and a write each answer
 503 with a hint within the stated bound (covey.outage.OUTAGE_ANSWER_S) instead of hanging
 until the database is back. The kill answered so still takes effect once it is.
 
@@ -31,8 +31,11 @@ from harness.stack.postgres import create_database, link_of, postgres_server, th
 from harness.stack.waiting import eventually
 
 # The bound the answer must keep, with room for a loaded machine's event loop; well under
-# the pause, so that an answer given only once the database was back fails.
-SLACK_S = 0.5
+# the pause, so that an answer given only once the database was back fails. The room was
+# 0.5 s until a clean-clone CI run (-n 3, the host loaded by the other workers) timed /healthz
+# at 1.30 s against the plane's 0.8: a loaded host's scheduling (this test's loop and the
+# plane's), where a plane with no bound would answer only after the pause, 20 s on.
+SLACK_S = 1.0
 PAUSE_S = 20.0
 
 
