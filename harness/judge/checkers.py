@@ -368,7 +368,12 @@ def kill_obeyed(history: History, final: FinalState,
                 bound_ns: int = KILL_ACK_BOUND_NS) -> Verdict:
     """Every daemon sent a kill obeyed it: acknowledged it (`kill_ack`) within `bound_ns`,
     instead of running on until a hang-up or its lease ran out (which exits 3 too, with the
-    same log lines, and looks like obedience from everywhere else)."""
+    same log lines, and looks like obedience from everywhere else).
+
+    A `kill_ack` is timed by the daemon's own stamp (`daemon_acked_at`, as in
+    no_action_after_kill_ack), not by when the control plane read it: on a loaded host the
+    plane read one 303 ms after a daemon had sent it 301 ms after the kill, and the
+    daemon's kill handling was blamed for the plane's delay."""
     name = "kill_obeyed"
     deliveries = [d for d in history.operations(KILL_DELIVERY_F)
                   if d.type == "ok" and d.agent_id is not None
@@ -385,6 +390,8 @@ def kill_obeyed(history: History, final: FinalState,
         agent_id = _agent(d)
         sent, confirmed = int(d.value["sent_ns"]), d.value.get("confirmed_ns")
         by, said = d.value.get("confirmed_by"), d.value.get("daemon_stop")
+        if by == "kill_ack":
+            confirmed = daemon_acked_at(d.value.get("acked_ns"), confirmed)
         after = None if not isinstance(confirmed, int) else confirmed - sent
         where = f"session {d.value.get('session_id')}, event {d.last_index}"
         if by == "kill_ack" and after is not None and after <= bound_ns:

@@ -366,6 +366,20 @@ def test_a_hang_up_or_a_late_ack_is_not_obedience() -> None:
     assert "a2" not in looser.message and "a1's daemon did not obey" in looser.message
 
 
+def test_an_ack_is_timed_by_the_daemons_stamp_not_by_when_the_plane_read_it() -> None:
+    day, final = clean_game_day()
+    # a1's daemon acknowledged 301 ms after the kill; a loaded plane read it 604 ms after.
+    day.delivery("a1", "s4", sent_ms=105, confirmed_ms=709, acked_ms=406)
+    # a2's daemon stamped its ack 650 ms after the kill: late by its own word.
+    day.delivery("a2", "s5", sent_ms=105, confirmed_ms=760, acked_ms=755)
+    verdict = kill_obeyed(day.history, final)
+    assert verdict.valid is False
+    assert "a1" not in verdict.message, verdict.message
+    assert "agent a2's daemon acknowledged the kill 650.0 ms after it was sent, later than " \
+           "the 500.0 ms bound" in verdict.message, verdict.message
+    assert kill_obeyed(day.history, final, bound_ns=700 * 1_000_000).valid is True
+
+
 def test_no_kill_sent_to_a_daemon_is_unknown_not_a_pass() -> None:
     day = GameDay()
     day.kill_fleet(100, 120)
