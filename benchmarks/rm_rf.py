@@ -85,6 +85,7 @@ class Run:
     figures: dict[str, dict[str, Any]] = field(default_factory=dict)
     lease_lapses: int = 0
     journal: str = ""
+    load_at_start: str = ""  # the load average as the run began (load_average())
 
 
 def is_rm(entry: LedgerEntry) -> bool:
@@ -344,8 +345,10 @@ async def run_all(options: argparse.Namespace) -> list[Run]:
                             if name == "processes" else
                             ContainersStack(options.report_dir, image=options.image,
                                             lease_ms=options.lease_ms))
-            print(f"{name}, {n} agents (load {load_average()})", flush=True)
+            load = load_average()
+            print(f"{name}, {n} agents (load {load})", flush=True)
             runs.append(await one_run(stack, n, options))
+            runs[-1].load_at_start = load
             print(render(runs[-1:]), flush=True)  # each run's figures as soon as it ends
             if options.json:
                 write_json(options, runs)
@@ -357,7 +360,7 @@ def write_json(options: argparse.Namespace, runs: list[Run]) -> None:
     options.json.write_text(json.dumps({
         "command": options.command, "started_at": options.started_at,
         "ended_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine(), "image": options.image,
+        "machine": options.machine, "image": options.image,
         "runs": [asdict(r) for r in runs]}, indent=2, default=str) + "\n")
 
 
@@ -366,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     options.command = "python -m benchmarks.rm_rf " + " ".join(
         sys.argv[1:] if argv is None else argv)
     options.started_at = datetime.now(UTC).isoformat(timespec="seconds")
+    options.machine = machine()  # its load average is the one at the start, not at a write
 
     async def bounded() -> list[Run]:
         async with asyncio.timeout(options.max_seconds):
