@@ -100,8 +100,8 @@ def sent_at(sent_ns: object, received_ns: int) -> int:
 
 def daemon_acked_at(acked_ns: object, confirmed_ns: object) -> int | None:
     """When a daemon acknowledged a kill: its own stamp in its `kill_ack` (the clock its
-    send stamps are on), else when the control plane read that `kill_ack` (later, so only
-    ever laxer by the channel's delay); None without a `kill_ack`."""
+    send stamps are on), else when the control plane read that `kill_ack` (later by the
+    channel's delay); None without a `kill_ack`."""
     for ns in (acked_ns, confirmed_ns):
         if isinstance(ns, int) and not isinstance(ns, bool):
             return ns
@@ -364,16 +364,28 @@ def every_fault_healed(history: History, final: FinalState) -> Verdict:
                    tuple(sorted(i for h in heals if h.type == "ok" for i in h.indexes)))
 
 
+def _ack_stamp(sent_ns: int, acked_ns: object, confirmed_ns: object) -> object:
+    """A kill_ack's time for kill_obeyed: the daemon's stamp if it lies between the kill's
+    sending and the plane's read of the ack, else the plane's read (or whatever it was)."""
+    if (isinstance(acked_ns, int) and not isinstance(acked_ns, bool)
+            and isinstance(confirmed_ns, int) and sent_ns <= acked_ns <= confirmed_ns):
+        return acked_ns
+    return confirmed_ns
+
+
 def kill_obeyed(history: History, final: FinalState,
                 bound_ns: int = KILL_ACK_BOUND_NS) -> Verdict:
     """Every daemon sent a kill obeyed it: acknowledged it (`kill_ack`) within `bound_ns`,
     instead of running on until a hang-up or its lease ran out (which exits 3 too, with the
     same log lines, and looks like obedience from everywhere else).
 
-    A `kill_ack` is timed by the daemon's own stamp (`daemon_acked_at`, as in
-    no_action_after_kill_ack), not by when the control plane read it: on a loaded host the
-    plane read one 303 ms after a daemon had sent it 301 ms after the kill, and the
-    daemon's kill handling was blamed for the plane's delay."""
+    A `kill_ack` is timed by the daemon's own stamp, not by when the control plane read it:
+    on a loaded host (20 containers) a daemon stamped its ack 301 ms after the kill and the
+    plane read it 303 ms later, a delay between the two (the daemon's send, the channel, the
+    plane's loop) that this rule blamed on the daemon's kill handling. The stamp counts only
+    where it lies between the kill's sending and the plane's read (`_ack_stamp`); else the
+    read does, the stricter of the two. On a deployed target the daemon's clock is not the
+    plane's: a skew between them shifts this figure by as much."""
     name = "kill_obeyed"
     deliveries = [d for d in history.operations(KILL_DELIVERY_F)
                   if d.type == "ok" and d.agent_id is not None
@@ -391,7 +403,7 @@ def kill_obeyed(history: History, final: FinalState,
         sent, confirmed = int(d.value["sent_ns"]), d.value.get("confirmed_ns")
         by, said = d.value.get("confirmed_by"), d.value.get("daemon_stop")
         if by == "kill_ack":
-            confirmed = daemon_acked_at(d.value.get("acked_ns"), confirmed)
+            confirmed = _ack_stamp(sent, d.value.get("acked_ns"), confirmed)
         after = None if not isinstance(confirmed, int) else confirmed - sent
         where = f"session {d.value.get('session_id')}, event {d.last_index}"
         if by == "kill_ack" and after is not None and after <= bound_ns:

@@ -380,6 +380,20 @@ def test_an_ack_is_timed_by_the_daemons_stamp_not_by_when_the_plane_read_it() ->
     assert kill_obeyed(day.history, final, bound_ns=700 * 1_000_000).valid is True
 
 
+def test_an_ack_stamp_outside_the_kill_and_its_read_is_not_believed() -> None:
+    day, final = clean_game_day()
+    # a1's stamp says it acknowledged before the kill was even sent; the plane read it late.
+    day.delivery("a1", "s4", sent_ms=105, confirmed_ms=905, acked_ms=50)
+    # a2's stamp is later than the plane's read of it.
+    day.delivery("a2", "s5", sent_ms=105, confirmed_ms=805, acked_ms=900)
+    verdict = kill_obeyed(day.history, final)
+    assert verdict.valid is False
+    assert "agent a1's daemon acknowledged the kill 800.0 ms after it was sent" \
+        in verdict.message, verdict.message
+    assert "agent a2's daemon acknowledged the kill 700.0 ms after it was sent" \
+        in verdict.message, verdict.message
+
+
 def test_no_kill_sent_to_a_daemon_is_unknown_not_a_pass() -> None:
     day = GameDay()
     day.kill_fleet(100, 120)
