@@ -1,7 +1,7 @@
 """Postgres paused (every process of it SIGSTOPped, its sockets open: a frozen disk or VM as its
-clients see it): /healthz answers 503 within HEALTH_TIMEOUT_S (0.8 s), and a kill, a read and a write each answer
-503 with a hint within the stated bound (covey.outage.OUTAGE_ANSWER_S) instead of hanging
-until the database is back. The kill answered so still takes effect once it is.
+clients see it): /healthz answers 503 within HEALTH_TIMEOUT_S (0.8 s), and a kill, a read
+and a write each answer 503 with a hint within the stated bound (covey.outage.OUTAGE_ANSWER_S)
+instead of hanging until the database is back. The kill answered so still takes effect once it is.
 
 The server here is one of the test's own, so that pausing it stops no other test."""
 
