@@ -609,15 +609,24 @@ class Runner:
             self._handles[sandbox_id] = handle
         finally:
             self._starting.discard(sandbox_id)
-        # The handle whatever the state: a session may have ended (and parked it) already.
-        await self._pool.execute(
-            "UPDATE sandboxes SET handle=$2,"
-            " state=CASE WHEN state='starting' THEN 'running' ELSE state END WHERE id=$1",
-            sandbox_id, handle,
-        )
+        # Watched from the moment it runs, whatever becomes of the write below: its exit is
+        # recorded and its container removed. (A game day stopped the database between a
+        # container's start and this write: the container ran unwatched, its row said
+        # `starting` for ever.) Its exit's `gone` stands against a late write's `running`.
         self._spawn(self._watch(sandbox_id, agent_id, handle))
         if sandbox_id in self._evicting:  # parked and evicted by a kill while it started
             self._spawn(self._provider.destroy(handle))
+        try:
+            # The handle whatever the state: a session may have ended (and parked it) already.
+            await self._pool.execute(
+                "UPDATE sandboxes SET handle=$2,"
+                " state=CASE WHEN state='starting' THEN 'running' ELSE state END WHERE id=$1",
+                sandbox_id, handle,
+            )
+        except Exception:
+            # The caller loses its session: nothing may run for it.
+            self._spawn(self._provider.destroy(handle))
+            raise
 
     async def _watch(self, sandbox_id: UUID, agent_id: UUID, handle: str) -> None:
         try:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from covey.db import DatabaseUnavailable
 from covey.sandbox import processes_marked
 from covey.testing.plane import World, make_world, start_plane
 from harness.act.puppet import Puppet
@@ -293,3 +294,41 @@ async def test_a_warm_sandbox_evicted_while_it_starts_is_torn_down_once_started(
         box = next(s for s in await _sandboxes(world, agent["id"]) if s["id"] == parked["id"])
         return returned.is_set() and not _left_of(parked["id"]) and box["gone_at"] is not None
     await eventually(nothing_left, 20, "the warm sandbox evicted while it started was left up")
+
+
+async def test_a_sandbox_whose_handle_cannot_be_written_is_torn_down_and_its_row_ends(
+        lworld: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The database went away between a sandbox's start and the write of its handle (a game
+    day stopped Postgres there): the sandbox ran unwatched and its row said `starting` for
+    ever, and a game day's rollback found it. Now the sandbox is torn down with its lost
+    session, its row ends gone, and the requeued task is done by the next sandbox."""
+    world = lworld
+    runner = world.plane.app.state.orchestrator.runner
+    pool = runner._pool
+    failed: list[str] = []
+
+    class HandleWriteFailsOnce:
+        """The plane's pool, but the first write of a sandbox's handle meets an outage."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(pool, name)
+
+        async def execute(self, sql: str, *args: Any) -> str:
+            if "SET handle=" in sql and not failed:
+                failed.append(str(args[0]))
+                raise DatabaseUnavailable("cannot connect to the database (the test's outage)")
+            result: str = await pool.execute(sql, *args)
+            return result
+    monkeypatch.setattr(runner, "_pool", HandleWriteFailsOnce())
+    agent = await world.agent()
+    task = await world.task(agent["id"], "model:well_behaved")
+    await world.wait_task(task["id"], "done", deadline_s=60)
+    assert failed, "no sandbox's handle write was failed: the test tried nothing"
+
+    async def ended() -> dict[str, Any] | None:
+        box = next(s for s in await _sandboxes(world, agent["id"]) if s["id"] == failed[0])
+        return box if box["state"] not in ("starting", "running") and box["gone_at"] else None
+    box = await eventually(ended, 30, "the sandbox whose handle could not be written is still "
+                           "`starting` or `running`: nobody watches it")
+    assert box["state"] == "gone", box
+    assert _left_of(failed[0]) == [], "a process of the sandbox is still alive"
