@@ -300,8 +300,9 @@ async def test_a_sandbox_whose_handle_cannot_be_written_is_torn_down_and_its_row
         lworld: World, monkeypatch: pytest.MonkeyPatch) -> None:
     """The database went away between a sandbox's start and the write of its handle (a game
     day stopped Postgres there): the sandbox ran unwatched and its row said `starting` for
-    ever, and a game day's rollback found it. Now the sandbox is torn down with its lost
-    session, its row ends gone, and the requeued task is done by the next sandbox."""
+    ever, and a game day's rollback found it. Now the sandbox is torn down (SIGKILL: its
+    daemon, refused for its lost session, would otherwise exit on its own), its row ends
+    gone, and the task, still open, is done by the next sandbox."""
     world = lworld
     runner = world.plane.app.state.orchestrator.runner
     pool = runner._pool
@@ -331,4 +332,5 @@ async def test_a_sandbox_whose_handle_cannot_be_written_is_torn_down_and_its_row
     box = await eventually(ended, 30, "the sandbox whose handle could not be written is still "
                            "`starting` or `running`: nobody watches it")
     assert box["state"] == "gone", box
+    assert box["exit_code"] == -9, f"the sandbox was not torn down but ended by itself: {box}"
     assert _left_of(failed[0]) == [], "a process of the sandbox is still alive"
