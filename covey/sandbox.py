@@ -141,8 +141,11 @@ class ProcessTable:
     on a host so loaded that a pass takes seconds, a removal that must look again still
     gets its passes well within its deadline."""
 
-    def __init__(self, rest: float = PASS_REST, rest_max_s: float = PASS_REST_MAX_S) -> None:
+    def __init__(self, rest: float = PASS_REST, rest_max_s: float = PASS_REST_MAX_S,
+                 scan: Callable[[frozenset[bytes]], dict[bytes, list[int]]] = processes_marked
+                 ) -> None:
         self._rest, self._rest_max_s = rest, rest_max_s
+        self._scan = scan  # the pass itself: processes_marked, or a test's stand-in
         self._wanted: set[bytes] = set()
         self._next: asyncio.Future[dict[bytes, list[int]]] | None = None
         self._scanner: asyncio.Task[None] | None = None
@@ -166,7 +169,7 @@ class ProcessTable:
                 self._wanted, self._next = set(), None
                 began = time.monotonic()
                 try:
-                    result.set_result(await asyncio.to_thread(processes_marked, wanted))
+                    result.set_result(await asyncio.to_thread(self._scan, wanted))
                 except Exception as exc:
                     result.set_exception(exc)
                 # Whoever asks during the rest shares the pass after it.
