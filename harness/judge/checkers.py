@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal, NotRequired, TypedDict
+from typing import Literal, NotRequired, TypedDict, TypeGuard
 
 from harness.judge.stops import RESUME_SCOPES, Stop, holding, stops
 from harness.record.history import Event, History, Operation
@@ -88,12 +88,17 @@ class Verdict:
 Checker = Callable[[History, FinalState], Verdict]
 
 
+def _is_ns(value: object) -> TypeGuard[int]:
+    """A stamp in ns as the records carry it: an int (JSON's true and false are not)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def sent_at(sent_ns: object, received_ns: int) -> int:
     """When a model request counts as made: when its daemon sent it (the send stamp coveyd
     puts on every request, on the wall clock the harness and the control plane share on one
     host); without a stamp, when the model saw it, which can only be later: a request of
     unknown send time is judged as late as it may have been (fail closed)."""
-    if isinstance(sent_ns, int) and not isinstance(sent_ns, bool):
+    if _is_ns(sent_ns):
         return sent_ns
     return received_ns
 
@@ -103,7 +108,7 @@ def daemon_acked_at(acked_ns: object, confirmed_ns: object) -> int | None:
     send stamps are on), else when the control plane read that `kill_ack` (later by the
     channel's delay); None without a `kill_ack`."""
     for ns in (acked_ns, confirmed_ns):
-        if isinstance(ns, int) and not isinstance(ns, bool):
+        if _is_ns(ns):
             return ns
     return None
 
@@ -186,8 +191,7 @@ def no_action_after_kill_ack(history: History, final: FinalState) -> Verdict:
 
 
 def _stamped(action: Operation) -> bool:
-    sent = action.value.get("sent_ns")
-    return isinstance(sent, int) and not isinstance(sent, bool)
+    return _is_ns(action.value.get("sent_ns"))
 
 
 def _acknowledged_for(stop: Stop, agent_id: str, deliveries: list[Operation]
@@ -367,8 +371,7 @@ def every_fault_healed(history: History, final: FinalState) -> Verdict:
 def _ack_stamp(sent_ns: int, acked_ns: object, confirmed_ns: object) -> object:
     """A kill_ack's time for kill_obeyed: the daemon's stamp if it lies between the kill's
     sending and the plane's read of the ack, else the plane's read (or whatever it was)."""
-    if (isinstance(acked_ns, int) and not isinstance(acked_ns, bool)
-            and isinstance(confirmed_ns, int) and sent_ns <= acked_ns <= confirmed_ns):
+    if _is_ns(acked_ns) and _is_ns(confirmed_ns) and sent_ns <= acked_ns <= confirmed_ns:
         return acked_ns
     return confirmed_ns
 
