@@ -24,7 +24,6 @@ from harness.stack.base import (
     ADMIN_PASSWORD,
     Endpoints,
     Replica,
-    free_port,
     lease_of,
     wait_until_healthy,
 )
@@ -140,15 +139,28 @@ class ContainersStack:
         network = Network(docker_network_kw={"labels": labels})
         containers: list[DockerContainer] = []
 
-        def start(container: DockerContainer, publish: tuple[int, int] | None = None
+        def start(container: DockerContainer, publish: int | None = None
                   ) -> DockerContainer:
             if publish is not None:
                 # On 127.0.0.1 only (RUNBOOK): with_bind_ports() cannot name the address,
-                # the Docker API can.
-                container.ports[str(publish[0])] = ("127.0.0.1", publish[1])  # type: ignore[assignment]
+                # the Docker API can. The host port is Docker's to choose (read back with
+                # published()): a port picked here first can be taken before Docker binds
+                # it ("port is already allocated", a CI run's set-up), and Docker retries
+                # only the ports it chose itself.
+                container.ports[str(publish)] = ("127.0.0.1",)  # type: ignore[assignment]
             containers.append(container)
             container.start()
             return container
+
+        def published(container: DockerContainer, port: int) -> int:
+            """The loopback port Docker published the container's `port` on."""
+            wrapped = container.get_wrapped_container()
+            wrapped.reload()
+            bindings = wrapped.ports.get(f"{port}/tcp")
+            if not bindings:
+                raise RuntimeError(f"Docker published no host port for {wrapped.name}'s "
+                                   f"port {port} (its bindings: {wrapped.ports})")
+            return int(bindings[0]["HostPort"])
 
         try:
             await asyncio.to_thread(network.create)
@@ -160,10 +172,9 @@ class ContainersStack:
                                                .waiting_for(LogMessageWaitStrategy(
                                                    "database system is ready to accept "
                                                    "connections").with_startup_timeout(60)))
-            puppet_port, plane_port, channel_port = free_port(), free_port(), free_port()
             # The nemesis's proxy on the daemons' control channel, a container of its own on
             # the game day's network; it heals on its own deadlines even if we die.
-            await asyncio.to_thread(start, DockerContainer(self.image)
+            channel = await asyncio.to_thread(start, DockerContainer(self.image)
                                     .with_network(network)
                                     .with_network_aliases("channel")
                                     .with_kwargs(labels=labels)
@@ -172,15 +183,15 @@ class ContainersStack:
                                                    "--target", "controlplane:8080",
                                                    "--listen", "0.0.0.0:8081",
                                                    "--control", "0.0.0.0:8082"]),
-                                    (8082, channel_port))
-            await asyncio.to_thread(start, DockerContainer(self.image)
+                                    8082)
+            puppet = await asyncio.to_thread(start, DockerContainer(self.image)
                                              .with_network(network)
                                              .with_network_aliases("puppet")
                                              .with_kwargs(labels=labels)
                                              .with_command(["python", "-m", "harness.act.puppet",
                                                             "--host", "0.0.0.0",
                                                             "--port", "9000"]),
-                                    (9000, puppet_port))
+                                    9000)
             admin = f"admin-{gameday}@gameday.test"
             platform = f"platform-{gameday}@gameday.test"
             env = {
@@ -208,7 +219,10 @@ class ContainersStack:
                                                                  "rw")
                                             .with_kwargs(labels=labels)
                                             .with_command(["sh", "-c", serve]),
-                                            (8080, plane_port))
+                                            8080)
+            channel_port, puppet_port, plane_port = await asyncio.to_thread(
+                lambda: (published(channel, 8082), published(puppet, 9000),
+                         published(plane, 8080)))
             url = f"http://127.0.0.1:{plane_port}"
             try:
                 health = await wait_until_healthy(url, 90)
@@ -233,8 +247,7 @@ class ContainersStack:
                     async with starting:
                         if replicas:
                             return replicas[0]
-                        link_port, b_port = free_port(), free_port()
-                        await asyncio.to_thread(start, DockerContainer(self.image)
+                        link = await asyncio.to_thread(start, DockerContainer(self.image)
                                                 .with_network(network)
                                                 .with_network_aliases("database-b")
                                                 .with_kwargs(labels=labels)
@@ -244,7 +257,8 @@ class ContainersStack:
                                                     "--target", "postgres:5432",
                                                     "--listen", "0.0.0.0:5433",
                                                     "--control", "0.0.0.0:8082"]),
-                                                (8082, link_port))
+                                                8082)
+                        link_port = await asyncio.to_thread(published, link, 8082)
                         await wait_until_healthy(f"http://127.0.0.1:{link_port}", 30,
                                                  path="/faults")
                         await nemesis.add_remote(RemoteFaultProxy(
@@ -264,7 +278,8 @@ class ContainersStack:
                             .with_kwargs(labels=labels)
                             .with_command(["covey", "serve", "--host", "0.0.0.0",
                                            "--port", "8080"]),
-                            (8080, b_port))
+                            8080)
+                        b_port = await asyncio.to_thread(published, b, 8080)
                         b_url = f"http://127.0.0.1:{b_port}"
                         await wait_until_healthy(b_url, 90)
                         wrapped = b.get_wrapped_container()
