@@ -200,8 +200,11 @@ class ProcessProvider:
         self._markers: dict[str, bytes] = {}
         self._grouped: set[str] = set()  # the daemons that joined the CPU group (hasten)
         self._table = ProcessTable()
+        self._closed = False
 
     async def start(self, spec: SandboxSpec) -> str:
+        if self._closed:  # a wake still in flight at shutdown: nothing may start after close
+            raise RuntimeError("the control plane is shutting down")
         spec.home.mkdir(parents=True, exist_ok=True)
         self._log_dir.mkdir(parents=True, exist_ok=True)
         base = {k: os.environ[k] for k in PROCESS_BASE_ENV if k in os.environ}
@@ -218,6 +221,10 @@ class ProcessProvider:
                 start_new_session=True,
             )
         handle = str(proc.pid)
+        if self._closed:  # closed while it was being spawned
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise RuntimeError("the control plane is shutting down")
         # At once: the daemon is still starting its interpreter, nothing forked yet.
         if self._cpu_group is not None and self._cpu_group.join(proc.pid):
             self._grouped.add(handle)
@@ -277,6 +284,7 @@ class ProcessProvider:
             os.killpg(proc.pid, signal.SIGKILL)
 
     async def close(self) -> None:
+        self._closed = True
         for handle in list(self._procs):
             await self.destroy(handle)
         if self._cpu_group is not None:
@@ -601,6 +609,25 @@ class Runner:
 
     async def start(self, spec_env: dict[str, str], sandbox_id: UUID, agent_id: UUID,
                     session_id: UUID) -> None:
+        """Start the session's sandbox, watched from the moment it runs. Raises when it could
+        not be started (or its handle not written: then it is torn down).
+
+        The start is the runner's own task, carried through when the caller is cancelled
+        (a request the plane gives up on in an outage: a wake, a trigger, a task's PATCH). A
+        start cut off half-way left a container running that nobody watched: its exit never
+        recorded, its row `starting` for ever. Carried through, the sandbox either runs
+        its session or is torn down, and its watch settles the session either way."""
+        task = asyncio.ensure_future(self._start(spec_env, sandbox_id, agent_id, session_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:  # its failure was the caller's: now nobody's but the log
+            task.add_done_callback(_log_failure("sandbox start, its caller gone,"))
+            raise
+
+    async def _start(self, spec_env: dict[str, str], sandbox_id: UUID, agent_id: UUID,
+                     session_id: UUID) -> None:
         work = self.workdir_of(agent_id, sandbox_id)
         await asyncio.to_thread(_copy_home, self.home_of(agent_id), work)
         spec = SandboxSpec(sandbox_id, agent_id, session_id, work, spec_env)
@@ -834,6 +861,7 @@ class Runner:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_log_failure("sandbox task"))
 
     async def close(self) -> None:
         for handle in list(self._handles.values()):
@@ -842,6 +870,15 @@ class Runner:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _log_failure(what: str) -> Callable[[asyncio.Task[None]], None]:
+    """A done callback that logs the task's exception: one nobody awaits is otherwise lost
+    (asyncio reports it only when the task is collected, if ever)."""
+    def done(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error(f"{what} failed", error=repr(exc))
+    return done
 
 
 def _at(ns: int) -> datetime:

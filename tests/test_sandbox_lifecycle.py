@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from datetime import datetime
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 
 from covey.db import DatabaseUnavailable
-from covey.sandbox import processes_marked
+from covey.sandbox import ProcessProvider, SandboxSpec, processes_marked
 from covey.testing.plane import World, make_world, start_plane
 from harness.act.puppet import Puppet
 from harness.stack.base import free_port
@@ -334,3 +335,66 @@ async def test_a_sandbox_whose_handle_cannot_be_written_is_torn_down_and_its_row
     assert box["state"] == "gone", box
     assert box["exit_code"] == -9, f"the sandbox was not torn down but ended by itself: {box}"
     assert _left_of(failed[0]) == [], "a process of the sandbox is still alive"
+
+
+async def test_a_start_whose_caller_is_cancelled_is_carried_through_and_watched(
+        lworld: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plane cancels a request it gives up on in an outage (a wake, a trigger, a task's
+    PATCH), and the request awaits the sandbox's start: cancelled while the engine was
+    starting a container, the start was cut off half-way and the container ran with nobody
+    watching it (no exit recorded, its row `starting` for ever). The start is now carried
+    through: the sandbox runs its session, its exit is recorded and nothing of it is left."""
+    world = lworld
+    runner = world.plane.app.state.orchestrator.runner
+    provider_start, runner_start = runner._provider.start, runner.start
+    callers: list[asyncio.Task[Any]] = []
+    started: list[str] = []
+    entered, released = asyncio.Event(), asyncio.Event()
+
+    async def start_awaited_by(*args: Any) -> None:
+        if (caller := asyncio.current_task()) is not None:
+            callers.append(caller)
+        await runner_start(*args)
+
+    async def up_but_slow_to_return(spec: Any) -> str:
+        handle: str = await provider_start(spec)  # the sandbox runs (the engine's thread)
+        started.append(str(spec.sandbox_id))
+        entered.set()
+        await released.wait()  # the engine's answer is on its way back
+        return handle
+    monkeypatch.setattr(runner, "start", start_awaited_by)
+    monkeypatch.setattr(runner._provider, "start", up_but_slow_to_return)
+    agent = await world.agent()
+    task = await world.task(agent["id"], "model:well_behaved")
+    await asyncio.wait_for(entered.wait(), 30)
+    assert len(callers) == 1, f"expected one start, saw {len(callers)}"
+    callers[0].cancel()  # as the outage deadline does
+    with contextlib.suppress(asyncio.CancelledError):
+        await callers[0]
+    assert callers[0].cancelled(), "the start's caller was not cancelled: the test tried nothing"
+    released.set()
+
+    await world.wait_task(task["id"], "done", deadline_s=60)
+
+    async def ended() -> dict[str, Any] | None:
+        box = next(s for s in await _sandboxes(world, agent["id"]) if s["id"] == started[0])
+        return box if box["state"] not in ("starting", "running") and box["gone_at"] else None
+    box = await eventually(ended, 30, "the sandbox whose start lost its caller is still "
+                           "`starting` or `running`: nobody watches it")
+    assert box["exit_code"] == 0 and box["daemon_exited_at"], (
+        f"the sandbox's own exit was not recorded: {box}")
+    assert _left_of(started[0]) == [], "a process of the sandbox is still alive"
+
+
+async def test_no_process_sandbox_starts_once_its_provider_is_closed(tmp_path: Path) -> None:
+    """A wake still in flight at shutdown must not start a sandbox after the provider's
+    close: nothing would ever stop it."""
+    provider = ProcessProvider([sys.executable, "-c", "import time; time.sleep(30)"],
+                               tmp_path / "logs")
+    await provider.close()
+    sandbox_id = uuid.uuid4()
+    spec = SandboxSpec(sandbox_id=sandbox_id, agent_id=uuid.uuid4(), session_id=uuid.uuid4(),
+                       home=tmp_path / "home", env={"COVEY_SANDBOX_ID": str(sandbox_id)})
+    with pytest.raises(RuntimeError, match="shutting down"):
+        await provider.start(spec)
+    assert _left_of(str(spec.sandbox_id)) == [], "a sandbox started after the close"
