@@ -24,6 +24,7 @@ from harness.stack.base import (
     ADMIN_PASSWORD,
     Endpoints,
     Replica,
+    free_port,
     lease_of,
     wait_until_healthy,
 )
@@ -42,6 +43,7 @@ POSTGRES_SCRIPT = (
     "-c max_connections=300'"
 )
 HARNESS_LABEL = "covey.harness"
+PUBLISH_ATTEMPTS = 5  # picks of a loopback port for a container's published one
 
 
 def reap_stale_game_days() -> list[str]:
@@ -124,6 +126,7 @@ class ContainersStack:
         # No registry here, so no reaper image: every container and the network carry the
         # game day's labels and are removed by label (and by the next run after a crash).
         os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
+        import docker.errors
         from testcontainers.core.container import DockerContainer
         from testcontainers.core.network import Network
         from testcontainers.core.wait_strategies import LogMessageWaitStrategy
@@ -141,16 +144,26 @@ class ContainersStack:
 
         def start(container: DockerContainer, publish: int | None = None
                   ) -> DockerContainer:
-            if publish is not None:
-                # On 127.0.0.1 only (RUNBOOK): with_bind_ports() cannot name the address,
-                # the Docker API can. The host port is Docker's to choose (read back with
-                # published()): a port picked here first can be taken before Docker binds
-                # it ("port is already allocated", a CI run's set-up), and Docker retries
-                # only the ports it chose itself.
-                container.ports[str(publish)] = ("127.0.0.1",)  # type: ignore[assignment]
+            """Start the container, its port `publish` published on a loopback port of the
+            host (read back with published()). On 127.0.0.1 only (RUNBOOK): with_bind_ports()
+            cannot name the address, the Docker API can. The host port is picked here, not
+            left to Docker: Docker gives a port it chose anew at each start, and the nemesis
+            starts a killed control plane's container again, which must come back at its URL.
+            A port taken between its pick and Docker's bind ("port is already allocated", a
+            CI run's set-up) is picked again."""
             containers.append(container)
-            container.start()
-            return container
+            for attempt in range(1, PUBLISH_ATTEMPTS + 1):
+                if publish is not None:
+                    container.ports[str(publish)] = ("127.0.0.1", free_port())  # type: ignore[assignment]
+                try:
+                    container.start()
+                    return container
+                except docker.errors.APIError as exc:
+                    taken = any(m in str(exc) for m in ("port is already allocated",
+                                                        "address already in use"))
+                    if publish is None or not taken or attempt == PUBLISH_ATTEMPTS:
+                        raise
+            raise AssertionError("unreachable")
 
         def published(container: DockerContainer, port: int) -> int:
             """The loopback port Docker published the container's `port` on."""

@@ -82,3 +82,32 @@ def test_a_killed_harness_is_reaped_by_the_next_run(docker_client: Any, tmp_path
     assert gameday in reap_stale_game_days()
     assert _of_game_day(docker_client, gameday) == []
     assert _owned_by(docker_client, child.pid) == ([], [])
+
+
+async def test_a_published_port_taken_before_docker_binds_it_is_picked_again(
+        docker_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clean-clone CI run's set-up failed: Docker refused the loopback port the stack had
+    picked a moment earlier ("port is already allocated"). The stack picks another."""
+    import harness.stack.containers as stack
+    from harness.stack.base import free_port
+
+    taken = free_port()
+    holder = docker_client.containers.run(
+        stack.ContainersStack(tmp_path).image, ["sleep", "300"], detach=True,
+        ports={"9999/tcp": ("127.0.0.1", taken)}, labels={"covey.test": "port-holder"})
+    picked: list[int] = []
+
+    def first_the_taken_one() -> int:
+        picked.append(taken if not picked else free_port())
+        return picked[-1]
+    monkeypatch.setattr(stack, "free_port", first_the_taken_one)
+    try:
+        async with stack.ContainersStack(tmp_path).up() as endpoints:
+            assert picked[0] == taken, "the taken port was never picked: the test tried nothing"
+            assert not endpoints.url.endswith(f":{taken}"), endpoints.url
+            containers = [c for c in docker_client.containers.list(
+                filters={"label": "covey.harness"})
+                if str(taken) in str(c.attrs["HostConfig"]["PortBindings"])]
+            assert containers == [], "a container of the stack was given the taken port"
+    finally:
+        holder.remove(force=True)
