@@ -118,6 +118,12 @@ def processes_marked(markers: frozenset[bytes]) -> dict[bytes, list[int]]:
     return found
 
 
+def container_name(sandbox_id: UUID) -> str:
+    """The docker backend's name for a sandbox's container: found by it when its row has
+    no handle (a control plane that died between the start and the handle's write)."""
+    return f"covey-sandbox-{sandbox_id}"
+
+
 def _kill_marked(sandbox_id: UUID) -> None:
     """SIGKILL whatever still carries a sandbox's marker (one pass: a previous life's)."""
     marker = f"COVEY_SANDBOX_ID={sandbox_id}".encode()
@@ -355,7 +361,7 @@ class DockerProvider:
                 # An init as PID 1 passes signals on: `docker stop` reaches coveyd.
                 init=True,
                 mem_limit=self._memory, pids_limit=self._pids, cpu_shares=self._cpu_shares,
-                name=f"covey-sandbox-{spec.sandbox_id}")
+                name=container_name(spec.sandbox_id))
             if self._closed:  # closed while the engine was starting it
                 container.remove(force=True)
                 raise RuntimeError("the control plane is shutting down")
@@ -561,7 +567,7 @@ class Runner:
     async def _settle_orphans(self, host_port: str, *, held_only: bool) -> None:
         orphans = await through_outage(lambda: self._pool.fetch(
             f"""
-            SELECT s.id, s.handle FROM sandboxes s
+            SELECT s.id, s.handle, s.backend FROM sandboxes s
             JOIN agents a ON a.id=s.agent_id JOIN organizations o ON o.id=a.org_id
             WHERE s.node LIKE $1 || ':%' AND s.node <> $2
               AND (s.state IN ('starting','running','parked')
@@ -572,8 +578,10 @@ class Runner:
 
         async def settle(row: Any) -> None:
             async with limit:
-                if row["handle"] and self.backend == "docker":
-                    await self._provider.remove(row["handle"])  # killed and removed
+                if row["backend"] == self.backend == "docker":  # by name without a handle
+                    # (a plane in a container does not see a sandbox's processes: the
+                    # markers below would find nothing, and its row would say gone)
+                    await self._provider.remove(row["handle"] or container_name(row["id"]))
                 else:  # by the marker every process of it inherits, never by an old pid
                     await asyncio.to_thread(_kill_marked, row["id"])
                 await through_outage(functools.partial(

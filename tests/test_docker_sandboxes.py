@@ -164,3 +164,31 @@ async def test_a_kill_evicts_a_parked_warm_sandbox(dworld: World, docker_client:
 def _at(stamp: str | None) -> datetime:
     assert stamp is not None, "a time the sandbox row should record is missing"
     return datetime.fromisoformat(stamp)
+
+
+async def test_a_previous_life_s_container_without_a_handle_is_found_by_its_name(
+        dworld: World, docker_client: Any) -> None:
+    """A control plane that died between a container's start and the write of its handle
+    left a row without one. Settling its previous life looked for the sandbox's processes
+    by their marker, which a plane in a container cannot see: the row was recorded gone
+    while the container ran on. It is found by its name now. (The container here carries
+    no marker, as seen from such a plane.)"""
+    from covey.sandbox import container_name
+
+    runner = dworld.plane.app.state.orchestrator.runner
+    host_port = runner.node.rsplit(":", 1)[0]
+    agent = await dworld.agent()
+    sandbox_id = uuid.uuid4()
+    await dworld.db.execute(
+        "INSERT INTO sandboxes (id, agent_id, backend, state, node)"
+        " VALUES ($1, $2, 'docker', 'starting', $3)",
+        sandbox_id, uuid.UUID(agent["id"]), f"{host_port}:a-previous-life")
+    orphan = docker_client.containers.run(
+        IMAGE, ["sleep", "300"], detach=True, name=container_name(sandbox_id),
+        labels={"covey.gameday": dworld.gameday})  # type: ignore[attr-defined]
+    await runner._settle_orphans(host_port, held_only=False)
+    assert [c.id for c in _containers(docker_client, dworld)] == [], (
+        f"the previous life's container {orphan.name} still runs after its settling")
+    row = await dworld.db.fetchrow("SELECT state, gone_at FROM sandboxes WHERE id=$1",
+                                   sandbox_id)
+    assert row["state"] == "gone" and row["gone_at"] is not None, dict(row)
