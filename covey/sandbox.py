@@ -623,19 +623,28 @@ class Runner:
         The start is the runner's own task, carried through when the caller is cancelled
         (a request the plane gives up on in an outage: a wake, a trigger, a task's PATCH). A
         start cut off half-way left a container running that nobody watched: its exit never
-        recorded, its row `starting` for ever. Carried through, the sandbox either runs
-        its session or is torn down, and its watch settles the session either way."""
-        task = asyncio.ensure_future(self._start(spec_env, sandbox_id, agent_id, session_id))
+        recorded, its row `starting` for ever. Carried through, the sandbox either runs its
+        session or is torn down, and its watch settles the session; a start that fails with
+        its caller gone settles the session itself (as a lost daemon)."""
+        orphaned = asyncio.Event()
+        task = asyncio.ensure_future(
+            self._start(spec_env, sandbox_id, agent_id, session_id, orphaned))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         try:
             await asyncio.shield(task)
-        except asyncio.CancelledError:  # its failure was the caller's: now nobody's but the log
-            task.add_done_callback(_log_failure("sandbox start, its caller gone,"))
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and (current is None or current.cancelling() == 0):
+                # The runner's close cancelled the start, not the caller: the caller is told
+                # as it was before the start was the runner's (and loses its session).
+                raise RuntimeError("the control plane is shutting down") from None
+            orphaned.set()
+            task.add_done_callback(functools.partial(_log_orphaned_start, sandbox_id))
             raise
 
     async def _start(self, spec_env: dict[str, str], sandbox_id: UUID, agent_id: UUID,
-                     session_id: UUID) -> None:
+                     session_id: UUID, orphaned: asyncio.Event) -> None:
         work = self.workdir_of(agent_id, sandbox_id)
         await asyncio.to_thread(_copy_home, self.home_of(agent_id), work)
         spec = SandboxSpec(sandbox_id, agent_id, session_id, work, spec_env)
@@ -645,6 +654,14 @@ class Runner:
         try:
             handle = await self._provider.start(spec)
             self._handles[sandbox_id] = handle
+        except BaseException:
+            # Nothing runs for it: forget it, and its row ends (an eviction while it started
+            # included, which waited for the start to return).
+            self._session_of.pop(sandbox_id, None)
+            self._evicting.discard(sandbox_id)
+            self._exited.pop(sandbox_id, asyncio.Event()).set()
+            self._spawn(self._never_started(sandbox_id, session_id, work, orphaned))
+            raise
         finally:
             self._starting.discard(sandbox_id)
         # Watched from the moment it runs, whatever becomes of the write below: its exit is
@@ -665,6 +682,17 @@ class Runner:
             # The caller loses its session: nothing may run for it.
             self._spawn(self._provider.destroy(handle))
             raise
+
+    async def _never_started(self, sandbox_id: UUID, session_id: UUID, work: Path,
+                             orphaned: asyncio.Event) -> None:
+        """What is left of a sandbox whose start failed: its copy of the home, its row, and
+        (when nobody awaits the start any more) its session, settled as a lost daemon's."""
+        await asyncio.to_thread(shutil.rmtree, work, True)
+        await through_outage(lambda: self._record_gone.write(sandbox_id, _at(time.time_ns())),
+                             "sandbox gone")
+        if orphaned.is_set():
+            await through_outage(lambda: self._on_exit(sandbox_id, session_id, -1),
+                                 "daemon loss")
 
     async def _watch(self, sandbox_id: UUID, agent_id: UUID, handle: str) -> None:
         try:
@@ -869,7 +897,7 @@ class Runner:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(_log_failure("sandbox task"))
+        task.add_done_callback(_log_failed_task)
 
     async def close(self) -> None:
         for handle in list(self._handles.values()):
@@ -880,13 +908,18 @@ class Runner:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-def _log_failure(what: str) -> Callable[[asyncio.Task[None]], None]:
-    """A done callback that logs the task's exception: one nobody awaits is otherwise lost
-    (asyncio reports it only when the task is collected, if ever)."""
-    def done(task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            log.error(f"{what} failed", error=repr(exc))
-    return done
+def _log_failed_task(task: asyncio.Task[None]) -> None:
+    """A runner task's exception, which nobody awaits: otherwise lost (asyncio reports it
+    only when the task is collected, if ever)."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("sandbox task failed", error=repr(exc))
+
+
+def _log_orphaned_start(sandbox_id: UUID, task: asyncio.Task[None]) -> None:
+    """A start's failure once its caller has gone: nobody else hears of it."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("sandbox start failed after its caller had gone",
+                  sandbox_id=str(sandbox_id), error=repr(exc))
 
 
 def _at(ns: int) -> datetime:

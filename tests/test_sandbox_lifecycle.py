@@ -398,3 +398,50 @@ async def test_no_process_sandbox_starts_once_its_provider_is_closed(tmp_path: P
     with pytest.raises(RuntimeError, match="shutting down"):
         await provider.start(spec)
     assert _left_of(str(spec.sandbox_id)) == [], "a sandbox started after the close"
+
+
+async def test_a_start_that_fails_after_its_caller_is_cancelled_settles_its_session(
+        lworld: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine refuses a sandbox after the start's caller was cancelled: nobody was left
+    to lose the session, which stayed `starting` (its agent busy, its task waiting) until
+    the stale-session sweep a token's lifetime later. The runner settles it itself now, as a
+    lost daemon's, and the row of the sandbox that never ran ends."""
+    world = lworld
+    runner = world.plane.app.state.orchestrator.runner
+    provider_start, runner_start = runner._provider.start, runner.start
+    callers: list[asyncio.Task[Any]] = []
+    refused: list[str] = []
+    entered, released = asyncio.Event(), asyncio.Event()
+
+    async def start_awaited_by(*args: Any) -> None:
+        if (caller := asyncio.current_task()) is not None:
+            callers.append(caller)
+        await runner_start(*args)
+
+    async def refused_once(spec: Any) -> str:
+        if refused:
+            return str(await provider_start(spec))
+        refused.append(str(spec.sandbox_id))
+        entered.set()
+        await released.wait()
+        raise RuntimeError("the engine refused the sandbox (the test's)")
+    monkeypatch.setattr(runner, "start", start_awaited_by)
+    monkeypatch.setattr(runner._provider, "start", refused_once)
+    agent = await world.agent()
+    task = await world.task(agent["id"], "model:well_behaved")
+    await asyncio.wait_for(entered.wait(), 30)
+    callers[0].cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await callers[0]
+    assert callers[0].cancelled(), "the start's caller was not cancelled: the test tried nothing"
+    released.set()
+
+    async def settled() -> Any:
+        row = await world.db.fetchrow("SELECT state FROM sessions WHERE sandbox_id=$1",
+                                      uuid.UUID(refused[0]))
+        return row if row is not None and row["state"] not in ("starting", "running") else None
+    await eventually(settled, 20, "the session of the refused sandbox is still live: nobody "
+                     "settled it once its start's caller had gone")
+    box = next(s for s in await _sandboxes(world, agent["id"]) if s["id"] == refused[0])
+    assert box["state"] == "gone" and box["gone_at"], f"the refused sandbox's row: {box}"
+    await world.wait_task(task["id"], "done", deadline_s=60)
