@@ -126,6 +126,7 @@ class ContainersStack:
         # No registry here, so no reaper image: every container and the network carry the
         # game day's labels and are removed by label (and by the next run after a crash).
         os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
+        import docker
         import docker.errors
         from testcontainers.core.container import DockerContainer
         from testcontainers.core.network import Network
@@ -150,7 +151,8 @@ class ContainersStack:
             left to Docker: Docker gives a port it chose anew at each start, and the nemesis
             starts a killed control plane's container again, which must come back at its URL.
             A port taken between its pick and Docker's bind ("port is already allocated", a
-            CI run's set-up) is picked again."""
+            CI run's set-up) is picked again; not so when the nemesis starts the container
+            again, which must keep its port."""
             containers.append(container)
             for attempt in range(1, PUBLISH_ATTEMPTS + 1):
                 if publish is not None:
@@ -163,6 +165,17 @@ class ContainersStack:
                                                         "address already in use"))
                     if publish is None or not taken or attempt == PUBLISH_ATTEMPTS:
                         raise
+                    # Created, never started: removed before the next try (by its labels
+                    # otherwise, at the end of the game day). The stack starts its own
+                    # containers one at a time; a sandbox the plane is starting is not one.
+                    client = docker.from_env()
+                    try:
+                        for refused in client.containers.list(all=True, filters={
+                                "label": f"covey.gameday={gameday}", "status": "created"}):
+                            if "covey.sandbox" not in refused.labels:
+                                refused.remove(force=True)
+                    finally:
+                        client.close()
             raise AssertionError("unreachable")
 
         def published(container: DockerContainer, port: int) -> int:
