@@ -337,6 +337,29 @@ async def test_a_sandbox_whose_handle_cannot_be_written_is_torn_down_and_its_row
     assert _left_of(failed[0]) == [], "a process of the sandbox is still alive"
 
 
+def _record_start_callers(runner: Any, monkeypatch: pytest.MonkeyPatch
+                          ) -> list[asyncio.Task[Any]]:
+    """The tasks that call the runner's start from now on (a wake's), in order."""
+    runner_start = runner.start
+    callers: list[asyncio.Task[Any]] = []
+
+    async def start_awaited_by(*args: Any) -> None:
+        if (caller := asyncio.current_task()) is not None:
+            callers.append(caller)
+        await runner_start(*args)
+    monkeypatch.setattr(runner, "start", start_awaited_by)
+    return callers
+
+
+async def _cancel_the_only(callers: list[asyncio.Task[Any]]) -> None:
+    """Cancel the one start's caller, as the plane's outage deadline cancels a request."""
+    assert len(callers) == 1, f"expected one start, saw {len(callers)}"
+    callers[0].cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await callers[0]
+    assert callers[0].cancelled(), "the start's caller was not cancelled: the test tried nothing"
+
+
 async def test_a_start_whose_caller_is_cancelled_is_carried_through_and_watched(
         lworld: World, monkeypatch: pytest.MonkeyPatch) -> None:
     """The plane cancels a request it gives up on in an outage (a wake, a trigger, a task's
@@ -346,15 +369,10 @@ async def test_a_start_whose_caller_is_cancelled_is_carried_through_and_watched(
     through: the sandbox runs its session, its exit is recorded and nothing of it is left."""
     world = lworld
     runner = world.plane.app.state.orchestrator.runner
-    provider_start, runner_start = runner._provider.start, runner.start
-    callers: list[asyncio.Task[Any]] = []
+    provider_start = runner._provider.start
+    callers = _record_start_callers(runner, monkeypatch)
     started: list[str] = []
     entered, released = asyncio.Event(), asyncio.Event()
-
-    async def start_awaited_by(*args: Any) -> None:
-        if (caller := asyncio.current_task()) is not None:
-            callers.append(caller)
-        await runner_start(*args)
 
     async def up_but_slow_to_return(spec: Any) -> str:
         handle: str = await provider_start(spec)  # the sandbox runs (the engine's thread)
@@ -362,16 +380,11 @@ async def test_a_start_whose_caller_is_cancelled_is_carried_through_and_watched(
         entered.set()
         await released.wait()  # the engine's answer is on its way back
         return handle
-    monkeypatch.setattr(runner, "start", start_awaited_by)
     monkeypatch.setattr(runner._provider, "start", up_but_slow_to_return)
     agent = await world.agent()
     task = await world.task(agent["id"], "model:well_behaved")
     await asyncio.wait_for(entered.wait(), 30)
-    assert len(callers) == 1, f"expected one start, saw {len(callers)}"
-    callers[0].cancel()  # as the outage deadline does
-    with contextlib.suppress(asyncio.CancelledError):
-        await callers[0]
-    assert callers[0].cancelled(), "the start's caller was not cancelled: the test tried nothing"
+    await _cancel_the_only(callers)
     released.set()
 
     await world.wait_task(task["id"], "done", deadline_s=60)
@@ -408,15 +421,10 @@ async def test_a_start_that_fails_after_its_caller_is_cancelled_settles_its_sess
     lost daemon's, and the row of the sandbox that never ran ends."""
     world = lworld
     runner = world.plane.app.state.orchestrator.runner
-    provider_start, runner_start = runner._provider.start, runner.start
-    callers: list[asyncio.Task[Any]] = []
+    provider_start = runner._provider.start
+    callers = _record_start_callers(runner, monkeypatch)
     refused: list[str] = []
     entered, released = asyncio.Event(), asyncio.Event()
-
-    async def start_awaited_by(*args: Any) -> None:
-        if (caller := asyncio.current_task()) is not None:
-            callers.append(caller)
-        await runner_start(*args)
 
     async def refused_once(spec: Any) -> str:
         if refused:
@@ -425,15 +433,11 @@ async def test_a_start_that_fails_after_its_caller_is_cancelled_settles_its_sess
         entered.set()
         await released.wait()
         raise RuntimeError("the engine refused the sandbox (the test's)")
-    monkeypatch.setattr(runner, "start", start_awaited_by)
     monkeypatch.setattr(runner._provider, "start", refused_once)
     agent = await world.agent()
     task = await world.task(agent["id"], "model:well_behaved")
     await asyncio.wait_for(entered.wait(), 30)
-    callers[0].cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await callers[0]
-    assert callers[0].cancelled(), "the start's caller was not cancelled: the test tried nothing"
+    await _cancel_the_only(callers)
     released.set()
 
     async def settled() -> Any:
