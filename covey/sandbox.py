@@ -535,6 +535,7 @@ class Runner:
         self._evicting: set[UUID] = set()
         self._exited: dict[UUID, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
         self._prune_batch: tuple[set[UUID], asyncio.Future[None]] | None = None
         # Exits come in bursts (a fleet kill): their rows are written a batch at a time,
         # each with the time it happened, not the time its batch was written.
@@ -660,7 +661,8 @@ class Runner:
             self._session_of.pop(sandbox_id, None)
             self._evicting.discard(sandbox_id)
             self._exited.pop(sandbox_id, asyncio.Event()).set()
-            self._spawn(self._never_started(sandbox_id, session_id, work, orphaned))
+            if not self._closing:  # else the next life settles it (settle_previous_life)
+                self._spawn(self._never_started(sandbox_id, session_id, work, orphaned))
             raise
         finally:
             self._starting.discard(sandbox_id)
@@ -900,6 +902,7 @@ class Runner:
         task.add_done_callback(_log_failed_task)
 
     async def close(self) -> None:
+        self._closing = True
         for handle in list(self._handles.values()):
             await self._provider.destroy(handle)
         await self._provider.close()
