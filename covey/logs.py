@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -14,6 +16,17 @@ import structlog
 # line with its full output); at INFO the log is the control plane's. COVEY_LOG_LEVEL=debug
 # brings them back.
 CHATTY_LIBRARIES = ("pgserver",)
+
+
+def log_failure(logger: Any, event: str, **fields: Any
+                ) -> Callable[[asyncio.Future[Any]], None]:
+    """A done-callback that logs its task's exception as `event`, with `fields`: a task
+    nobody awaits loses it otherwise (asyncio reports it only when the task is collected,
+    if ever). A cancelled task is not a failure."""
+    def logged(task: asyncio.Future[Any]) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            logger.error(event, **fields, error=repr(exc))
+    return logged
 
 
 def configure(level: str = "INFO") -> None:

@@ -40,11 +40,13 @@ from covey.db import (
     transaction,
 )
 from covey.hub import DaemonHub, DaemonLink
+from covey.logs import log_failure
 from covey.rows import emit_status, lock_agent, record, requeue_in_progress, sessions_in_order
 from covey.security import new_token, token_hash
 from covey.switches import Switches
 
 log = structlog.get_logger(__name__)
+_log_background_failure = log_failure(log, "background step failed")
 T = TypeVar("T")
 
 LIVE = ("starting", "running")
@@ -781,5 +783,4 @@ class Orchestrator(Switches):
 
     def _settled(self, task: asyncio.Task[Any]) -> None:
         self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("background step failed", error=repr(task.exception()))
+        _log_background_failure(task)

@@ -23,6 +23,7 @@ import structlog
 
 from covey.cpu_group import CpuGroup
 from covey.db import MAY_RUN, BatchedWrite, Pool, through_outage
+from covey.logs import log_failure
 
 log = structlog.get_logger(__name__)
 
@@ -641,7 +642,9 @@ class Runner:
                 # as it was before the start was the runner's (and loses its session).
                 raise RuntimeError("the control plane is shutting down") from None
             orphaned.set()
-            task.add_done_callback(functools.partial(_log_orphaned_start, sandbox_id))
+            task.add_done_callback(log_failure(
+                log, "sandbox start failed after its caller had gone",
+                sandbox_id=str(sandbox_id)))
             raise
 
     async def _start(self, spec_env: dict[str, str], sandbox_id: UUID, agent_id: UUID,
@@ -899,7 +902,7 @@ class Runner:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(_log_failed_task)
+        task.add_done_callback(log_failure(log, "sandbox task failed"))
 
     async def close(self) -> None:
         self._closing = True
@@ -909,20 +912,6 @@ class Runner:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-def _log_failed_task(task: asyncio.Task[None]) -> None:
-    """A runner task's exception, which nobody awaits: otherwise lost (asyncio reports it
-    only when the task is collected, if ever)."""
-    if not task.cancelled() and (exc := task.exception()) is not None:
-        log.error("sandbox task failed", error=repr(exc))
-
-
-def _log_orphaned_start(sandbox_id: UUID, task: asyncio.Task[None]) -> None:
-    """A start's failure once its caller has gone: nobody else hears of it."""
-    if not task.cancelled() and (exc := task.exception()) is not None:
-        log.error("sandbox start failed after its caller had gone",
-                  sandbox_id=str(sandbox_id), error=repr(exc))
 
 
 def _at(ns: int) -> datetime:

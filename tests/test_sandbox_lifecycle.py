@@ -449,3 +449,39 @@ async def test_a_start_that_fails_after_its_caller_is_cancelled_settles_its_sess
     box = next(s for s in await _sandboxes(world, agent["id"]) if s["id"] == refused[0])
     assert box["state"] == "gone" and box["gone_at"], f"the refused sandbox's row: {box}"
     await world.wait_task(task["id"], "done", deadline_s=60)
+
+
+async def test_a_start_in_flight_when_the_runner_closes_is_cut_and_its_caller_told(
+        lworld: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plane shuts down while the engine starts a sandbox (a container's start takes
+    seconds): the runner's close cuts the start without waiting for the engine, tells its
+    caller that the plane is shutting down (the wake loses its session, so its task is not
+    left in a session nobody runs), and leaves no process of the sandbox running. What is
+    left of its row is the next life's to settle (settle_previous_life)."""
+    world = lworld
+    runner = world.plane.app.state.orchestrator.runner
+    provider_start = runner._provider.start
+    started: list[str] = []
+    entered = asyncio.Event()
+
+    async def up_but_never_answered(spec: Any) -> str:
+        handle: str = await provider_start(spec)  # the sandbox runs
+        started.append(str(spec.sandbox_id))
+        entered.set()
+        await asyncio.Event().wait()  # the engine's answer never comes back
+        return handle
+    monkeypatch.setattr(runner._provider, "start", up_but_never_answered)
+    agent = await world.agent()
+    await world.task(agent["id"], "model:well_behaved")
+    await asyncio.wait_for(entered.wait(), 30)
+    await asyncio.wait_for(runner.close(), 30)
+    assert _left_of(started[0]) == [], "a process of the sandbox outlived the runner's close"
+
+    async def lost() -> Any:
+        row = await world.db.fetchrow("SELECT state, stop_reason FROM sessions"
+                                      " WHERE sandbox_id=$1", uuid.UUID(started[0]))
+        return row if row is not None and row["state"] not in ("starting", "running") else None
+    row = await eventually(lost, 20, "the session whose start the close cut is still live: "
+                           "its caller was not told")
+    assert row["state"] == "lost" and "shutting down" in (row["stop_reason"] or ""), (
+        f"the session whose start the close cut: {dict(row)}")
