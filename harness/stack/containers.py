@@ -146,7 +146,7 @@ class ContainersStack:
         def start(container: DockerContainer, publish: int | None = None
                   ) -> DockerContainer:
             """Start the container, its port `publish` published on a loopback port of the
-            host (read back with published()). On 127.0.0.1 only (RUNBOOK): with_bind_ports()
+            host (read with published()). On 127.0.0.1 only (RUNBOOK): with_bind_ports()
             cannot name the address, the Docker API can. The host port is picked here, not
             left to Docker: Docker gives a port it chose anew at each start, and the nemesis
             starts a killed control plane's container again, which must come back at its URL.
@@ -179,14 +179,10 @@ class ContainersStack:
             raise AssertionError("unreachable")
 
         def published(container: DockerContainer, port: int) -> int:
-            """The loopback port Docker published the container's `port` on."""
-            wrapped = container.get_wrapped_container()
-            wrapped.reload()
-            bindings = wrapped.ports.get(f"{port}/tcp")
-            if not bindings:
-                raise RuntimeError(f"Docker published no host port for {wrapped.name}'s "
-                                   f"port {port} (its bindings: {wrapped.ports})")
-            return int(bindings[0]["HostPort"])
+            """The loopback port start() published the container's `port` on: the one it
+            picked, not asked of Docker again."""
+            _, host_port = container.ports[str(port)]  # type: ignore[misc]
+            return int(host_port)
 
         try:
             await asyncio.to_thread(network.create)
@@ -246,9 +242,8 @@ class ContainersStack:
                                             .with_kwargs(labels=labels)
                                             .with_command(["sh", "-c", serve]),
                                             8080)
-            channel_port, puppet_port, plane_port = await asyncio.to_thread(
-                lambda: (published(channel, 8082), published(puppet, 9000),
-                         published(plane, 8080)))
+            channel_port, puppet_port, plane_port = (
+                published(channel, 8082), published(puppet, 9000), published(plane, 8080))
             url = f"http://127.0.0.1:{plane_port}"
             try:
                 health = await wait_until_healthy(url, 90)
@@ -284,7 +279,7 @@ class ContainersStack:
                                                     "--listen", "0.0.0.0:5433",
                                                     "--control", "0.0.0.0:8082"]),
                                                 8082)
-                        link_port = await asyncio.to_thread(published, link, 8082)
+                        link_port = published(link, 8082)
                         await wait_until_healthy(f"http://127.0.0.1:{link_port}", 30,
                                                  path="/faults")
                         await nemesis.add_remote(RemoteFaultProxy(
@@ -305,7 +300,7 @@ class ContainersStack:
                             .with_command(["covey", "serve", "--host", "0.0.0.0",
                                            "--port", "8080"]),
                             8080)
-                        b_port = await asyncio.to_thread(published, b, 8080)
+                        b_port = published(b, 8080)
                         b_url = f"http://127.0.0.1:{b_port}"
                         await wait_until_healthy(b_url, 90)
                         wrapped = b.get_wrapped_container()
