@@ -48,6 +48,7 @@ from covey.orchestrator import Orchestrator
 from covey.outage import HEALTH_TIMEOUT_S, DatabaseProbe, OutageDeadline
 from covey.sandbox import DockerProvider, ProcessProvider, Runner, SandboxProvider
 from covey.sign_in import SignIn
+from covey.switches import install_flags
 
 log = structlog.get_logger(__name__)
 
@@ -212,6 +213,8 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080)
         pool = await create_pool(url)
         # The switches' lane (covey.admission): connections no read can take.
         switch_pool = await create_pool(url, min_size=1, max_size=settings.switch_connections)
+        async with switch_pool.acquire() as conn:
+            await install_flags(conn)
         node = f"{socket.gethostname()}:{port}:{uuid.uuid4().hex[:6]}"
         ws_url = settings.public_ws_url or f"ws://{host}:{port}/api/daemon/ws"
         orch = Orchestrator(pool, settings, DaemonHub(), node, ws_url,

@@ -35,8 +35,8 @@ async def _keep_session(_conn: Connection) -> None:
     asyncpg's default reset (`RESET ALL; UNLISTEN *; …`) cost a round trip per release:
     under Locust load a tenth of the control plane's CPU, and a connection held that much
     longer while requests, the kill among them, waited for one. What a connection does
-    keep is meant to stay: its prepared statements (asyncpg's, and the kill's flag's,
-    migration 0023)."""
+    keep is meant to stay: its prepared statements (asyncpg's) and the plans of the kill's
+    flag functions (covey.switches.FlagFunction)."""
 
 
 class DatabaseUnavailable(Exception):
@@ -120,9 +120,10 @@ async def _unfit(conn: Connection) -> str | None:
                 "ENCODING 'UTF8' TEMPLATE template0`)")
     isolation = await conn.fetchval("SHOW default_transaction_isolation")
     if isolation != "read committed":
-        # The switches' flag (migration 0023) reads the live sessions on a snapshot taken
-        # once its locks are held, which only READ COMMITTED gives a statement of a function:
-        # under REPEATABLE READ a session a wake committed while a kill waited would go on.
+        # The switches' flag (covey.switches.FlagFunction) reads the live sessions on a
+        # snapshot taken once its locks are held, which only READ COMMITTED gives a statement
+        # of a function: under REPEATABLE READ a session a wake committed while a kill
+        # waited would go on.
         return (f"the database's default_transaction_isolation is {isolation!r}: covey needs "
                 "'read committed' (Postgres's default). ALTER DATABASE … SET "
                 "default_transaction_isolation TO 'read committed'")

@@ -62,7 +62,7 @@ async def _flag_waiting(world: World, holder: asyncpg.Connection) -> int:
     async def waiting() -> int | None:
         pid: int | None = await world.db.fetchval(
             "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))"
-            " AND query LIKE '%covey_switch_flag%'", holder.get_server_pid())
+            " AND query LIKE '%covey_flag_%'", holder.get_server_pid())
         return pid
     pid: int = await eventually(waiting, 10, "the kill's flag never waited for the held row")
     return pid

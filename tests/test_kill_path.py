@@ -180,7 +180,7 @@ async def test_the_kills_flag_survives_a_deadlock(world: World) -> None:
     # The kill's flag holds the agent (its BEGIN's lock) and waits for the session.
     r, victim = await kill_in_a_deadlock(
         world, agent["id"], ("SELECT 1 FROM sessions WHERE id=$1 FOR UPDATE", session_id),
-        "%covey_switch_flag%", ("SELECT 1 FROM agents WHERE id=$1 FOR NO KEY UPDATE", aid))
+        "%covey_flag_%", ("SELECT 1 FROM agents WHERE id=$1 FOR NO KEY UPDATE", aid))
     assert r.status_code == 200, (
         f"the kill failed on a deadlock (victim: {victim}): {r.status_code} {r.text}")
     assert r.json()["sessions_cancelled"] == [str(session_id)], r.text
@@ -217,7 +217,7 @@ async def test_a_session_a_wake_commits_while_the_kill_waits_is_cancelled(
             session_id, aid, sandbox_id)
         path = f"/api/v1/agents/{aid}/kill" if switch == "agent" else "/api/v1/fleet/kill"
         kill = asyncio.create_task(world.security.post(path))
-        await until_a_lock_is_waited_for(world, "%covey_switch_flag%",
+        await until_a_lock_is_waited_for(world, "%covey_flag_%",
                                          "the kill never waited for the wake's lock")
         await held.commit()
         r = await asyncio.wait_for(kill, 15)
@@ -604,7 +604,7 @@ async def test_a_statement_on_several_sessions_locks_them_in_the_order_of_their_
         # statement that would follow its input's order.
         run, text = {
             "fleet kill": (lambda: world.security.post("/api/v1/fleet/kill"),
-                           "%covey_switch_flag%"),
+                           "%covey_flag_%"),
             "costs": (lambda: asyncio.gather(*(plane.orch.record_cost.write(
                 agent_of[s], s, 0.01, 1) for s in reversed(ids))), "%cost_entries%"),
             "lease renewal": (lambda: plane.orch.renew_leases(list(reversed(ids))),
@@ -649,3 +649,20 @@ async def test_a_statement_on_several_sessions_locks_them_in_the_order_of_their_
         if statement == "fleet kill":
             assert done.status_code == 200, done.text
             assert len(done.json()["sessions_cancelled"]) == len(ids), done.text
+
+
+async def test_a_kill_whose_flag_function_is_gone_creates_it_and_stops_the_agent(
+        world: World) -> None:
+    """The flag functions are created at start-up (covey.switches.install_flags). A database
+    that lost them since (restored from a dump made before) must not fail the kill switch:
+    the kill creates them again and stops the agent, in one answer."""
+    from covey.switches import AGENT_FLAG
+    await world.db.execute(f"DROP FUNCTION {AGENT_FLAG.name}")
+    agent = await world.agent()
+    r = await world.security.post(f"/api/v1/agents/{agent['id']}/kill")
+    assert r.status_code == 200, f"the kill failed without its flag function: {r.text}"
+    row = await world.db.fetchrow("SELECT killed, status FROM agents WHERE id=$1",
+                                  uuid.UUID(agent["id"]))
+    assert row["killed"] and row["status"] == "killed", f"the agent was not stopped: {row}"
+    assert await world.db.fetchval("SELECT count(*) FROM pg_proc WHERE proname=$1",
+                                   AGENT_FLAG.name) == 1, "the flag function was not created"
