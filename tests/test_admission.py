@@ -15,7 +15,23 @@ from typing import Any
 
 import asyncpg
 import pytest
+from fastapi import APIRouter
+from fastapi.routing import APIRoute
 
+from covey.admission import is_switch
+from covey.api import (
+    administration,
+    agents,
+    audit,
+    auth,
+    daemon,
+    docs,
+    flags,
+    fleet,
+    notifications,
+    trigger,
+)
+from covey.app import create_app
 from covey.config import Settings
 from covey.db import Connection
 from covey.testing import SCRIPTED_DAEMON
@@ -115,3 +131,40 @@ async def test_the_document_says_a_read_may_answer_429(world: World, path: str) 
     doc = (await world.auditor.get("/openapi.json")).json()
     assert "429" in doc["paths"][path]["get"]["responses"]
     assert "429" not in doc["paths"]["/api/v1/agents/{agent_id}/kill"]["post"]["responses"]
+
+
+
+SWITCH_ROUTERS = (agents.switches, fleet.switches, flags.switches, administration.switches)
+OTHER_ROUTERS = (auth.router, agents.router, fleet.router, flags.router, trigger.router,
+                 notifications.router, daemon.router, administration.router, audit.router,
+                 docs.router)
+
+
+def _requests(router: APIRouter) -> set[tuple[str, str]]:
+    """(method, an example path) of each route of the router."""
+    return {(method, route.path.replace("{agent_id}", "0b8a1f6e-0000-4000-8000-000000000000")
+             .replace("{action}", "kill"))
+            for route in router.routes if isinstance(route, APIRoute) for method in route.methods}
+
+
+def test_the_switch_routes_are_the_switch_lane_and_are_matched_first() -> None:
+    """The routes declared as switches (each API module's `switches`, included first so that
+    FastAPI tries them before any other: the agent kill came after 36 routes) are exactly
+    the requests `is_switch` sends to the switches' lane. A switch declared in one and not
+    the other would queue behind reads, or be looked for after every other route."""
+    declared = set().union(*(_requests(r) for r in SWITCH_ROUTERS))
+    assert len(declared) == 5, f"the switch routes: {sorted(declared)}"
+    for method, path in declared:
+        assert is_switch(method, path), (
+            f"{method} {path} is declared a switch, but is_switch does not send it to the "
+            "switches' lane")
+    for router in OTHER_ROUTERS:
+        for method, path in _requests(router):
+            assert not is_switch(method, path), (
+                f"{method} {path} pulls a switch but is not among the switch routes")
+    app = create_app(Settings("postgresql://unused@127.0.0.1/unused", Path("/nonexistent")))
+    # FastAPI keeps an included router as one entry of the app's routes, in order.
+    included = [getattr(r, "original_router", None) for r in app.router.routes]
+    order = [included.index(r) for r in (*SWITCH_ROUTERS, *OTHER_ROUTERS)]
+    assert order[:len(SWITCH_ROUTERS)] == sorted(order)[:len(SWITCH_ROUTERS)], (
+        f"the switch routers are not the first the app tries: {order}")

@@ -37,6 +37,7 @@ from covey.sign_in import client_address
 from covey.switches import KillReport
 
 router = APIRouter(prefix="/administration", include_in_schema=False)
+switches = APIRouter(prefix="/administration", include_in_schema=False)  # first (covey.app)
 LOGIN_CSRF_COOKIE = "covey_login_csrf"
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self';"
        " img-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
@@ -236,7 +237,7 @@ def _reason(form: dict[str, str]) -> str | None:
     return form.get("reason", "").strip()[:500] or None
 
 
-@router.post("/fleet/kill")
+@switches.post("/fleet/kill")
 async def kill_fleet(request: Request) -> Response:
     acting = await _acting(request, SECURITY)
     if isinstance(acting, Response):
@@ -262,7 +263,7 @@ async def resume_fleet(request: Request) -> Response:
     return _done(request, {"fleet_killed": False, "agents_woken": len(report.agents_woken)})
 
 
-@router.post("/agents/{agent_id}/{action}")
+@switches.post("/agents/{agent_id}/{action}")
 async def agent_switch(agent_id: str, action: str, request: Request) -> Response:
     acting = await _acting(request, KILLERS)
     if isinstance(acting, Response):

@@ -41,6 +41,7 @@ from covey.security import new_token, token_hash
 from covey.switches import KillReport, ResumeReport
 
 router = APIRouter(prefix="/api/v1/agents", tags=["agents"])
+switches = APIRouter(prefix="/api/v1/agents", tags=["agents"])  # matched first (covey.app)
 
 HeartbeatPathName = Annotated[str, Path(min_length=1, max_length=64,
                                         pattern=r"^[a-z0-9][a-z0-9_-]*$"),
@@ -408,7 +409,7 @@ async def sandboxes(agent_id: UUID, who: AnyRole, orch: Orch) -> list[SandboxOut
     return [SandboxOut(**dict(r)) for r in rows]
 
 
-@router.post("/{agent_id}/kill", response_model=KillOut)
+@switches.post("/{agent_id}/kill", response_model=KillOut)
 async def kill(agent_id: UUID, who: Killer, orch: Orch, request: Request,
                body: ReasonIn | None = None) -> KillOut:
     """The agent switch. Idempotent: a second kill changes nothing and succeeds."""

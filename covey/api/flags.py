@@ -23,6 +23,7 @@ from covey.api.models import FlagChangeOut, FlagOut, FlagReasonIn, KillOut, Resu
 from covey.errors import ApiError
 
 router = APIRouter(prefix="/api/v1/flags", tags=["flags"])
+switches = APIRouter(prefix="/api/v1/flags", tags=["flags"])  # matched first (covey.app)
 # A platform admin reads the flags too: they own the global one.
 Reader = Annotated[Principal, Depends(require(*ORG_ROLES, "platform_admin"))]
 
@@ -53,7 +54,7 @@ async def list_flags(who: Reader, orch: Orch) -> list[FlagOut]:
     return [FlagOut(**dict(r)) for r in rows]
 
 
-@router.post("/global", response_model=KillOut)
+@switches.post("/global", response_model=KillOut)
 async def stop_globally(body: FlagReasonIn, who: PlatformAdmin, orch: Orch,
                         request: Request) -> KillOut:
     """Stop every agent of every organisation on this control plane. Idempotent."""

@@ -10,6 +10,7 @@ from covey.api.models import FleetOut, KillOut, ReasonIn, ResumeOut
 from covey.db import fetch_one
 
 router = APIRouter(prefix="/api/v1/fleet", tags=["fleet"])
+switches = APIRouter(prefix="/api/v1/fleet", tags=["fleet"])  # matched first (covey.app)
 
 
 @router.get("", response_model=FleetOut)
@@ -32,7 +33,7 @@ async def fleet(who: AnyRole, orch: Orch) -> FleetOut:
     return FleetOut(**dict(row))
 
 
-@router.post("/kill", response_model=KillOut)
+@switches.post("/kill", response_model=KillOut)
 async def kill_fleet(who: Security, orch: Orch, request: Request,
                      body: ReasonIn | None = None) -> KillOut:
     """The emergency stop: every agent of the organisation, at once. Idempotent. The reason
