@@ -19,19 +19,7 @@ from fastapi import APIRouter
 from fastapi.routing import APIRoute
 
 from covey.admission import is_switch
-from covey.api import (
-    administration,
-    agents,
-    audit,
-    auth,
-    daemon,
-    docs,
-    flags,
-    fleet,
-    notifications,
-    trigger,
-)
-from covey.app import create_app
+from covey.app import ROUTERS, SWITCH_ROUTERS, create_app
 from covey.config import Settings
 from covey.db import Connection
 from covey.testing import SCRIPTED_DAEMON
@@ -134,12 +122,6 @@ async def test_the_document_says_a_read_may_answer_429(world: World, path: str) 
 
 
 
-SWITCH_ROUTERS = (agents.switches, fleet.switches, flags.switches, administration.switches)
-OTHER_ROUTERS = (auth.router, agents.router, fleet.router, flags.router, trigger.router,
-                 notifications.router, daemon.router, administration.router, audit.router,
-                 docs.router)
-
-
 def _requests(router: APIRouter) -> set[tuple[str, str]]:
     """(method, an example path) of each route of the router."""
     return {(method, route.path.replace("{agent_id}", "0b8a1f6e-0000-4000-8000-000000000000")
@@ -158,13 +140,13 @@ def test_the_switch_routes_are_the_switch_lane_and_are_matched_first() -> None:
         assert is_switch(method, path), (
             f"{method} {path} is declared a switch, but is_switch does not send it to the "
             "switches' lane")
-    for router in OTHER_ROUTERS:
+    for router in ROUTERS:
         for method, path in _requests(router):
             assert not is_switch(method, path), (
                 f"{method} {path} pulls a switch but is not among the switch routes")
     app = create_app(Settings("postgresql://unused@127.0.0.1/unused", Path("/nonexistent")))
     # FastAPI keeps an included router as one entry of the app's routes, in order.
     included = [getattr(r, "original_router", None) for r in app.router.routes]
-    order = [included.index(r) for r in (*SWITCH_ROUTERS, *OTHER_ROUTERS)]
+    order = [included.index(r) for r in (*SWITCH_ROUTERS, *ROUTERS)]
     assert order[:len(SWITCH_ROUTERS)] == sorted(order)[:len(SWITCH_ROUTERS)], (
         f"the switch routers are not the first the app tries: {order}")
