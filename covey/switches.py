@@ -132,8 +132,12 @@ class FlagFunction:
 
     @functools.cached_property
     def name(self) -> str:
-        digest = hashlib.md5(self._definition.encode()).hexdigest()[:16]
+        digest = hashlib.sha256(self._definition.encode()).hexdigest()[:16]
         return f"covey_flag_{self.scope}_{digest}"
+
+    @functools.cached_property
+    def signature(self) -> str:
+        return f"{self.name}(uuid, uuid, uuid, text, text, text)"
 
     @functools.cached_property
     def create(self) -> str:
@@ -230,11 +234,9 @@ async def install_flags(conn: Connection) -> None:
     their text, so replicas of another version keep theirs."""
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock($1)", FLAGS_LOCK)
-        present = {r["proname"] for r in await conn.fetch(
-            "SELECT proname FROM pg_proc WHERE proname = ANY($1::text[])",
-            [f.name for f in FLAGS])}
         for flag in FLAGS:
-            if flag.name not in present:
+            # As the call resolves it (search_path, argument types), not by its name alone.
+            if await conn.fetchval("SELECT to_regprocedure($1)", flag.signature) is None:
                 await conn.execute(flag.create)
 
 
@@ -364,7 +366,9 @@ class Switches:
         async def call(conn: Connection) -> list[asyncpg.Record]:
             try:
                 return await conn.fetch(flag.call, *args)
-            except asyncpg.UndefinedFunctionError:
+            except asyncpg.UndefinedFunctionError as exc:
+                if flag.name not in str(exc):  # something its body calls: not healed here
+                    raise
                 # Gone from the database since start-up (one restored from a dump made
                 # before): created again, and called. Nothing was written.
                 await install_flags(conn)
@@ -415,12 +419,14 @@ class Switches:
             changed = not was_killed or was_origin != origin
             live = [r for r in rows if r["what"] == "live"]
             report = KillReport(already_killed=was_killed, agents=[agent_id])
-            evicted = await self._stop_sessions(conn, "agent", live,
-                                                [agent_id] if changed else [], started, report,
-                                                held=("SELECT $1::uuid", [agent_id]))
-            if changed:  # logged once the kill is out (its row is in the flag's commit)
-                log_audit("agent.kill", agent["actor"], org_id, str(agent_id),
-                          {"origin": origin, "reason": reason})
+            try:
+                evicted = await self._stop_sessions(
+                    conn, "agent", live, [agent_id] if changed else [], started, report,
+                    held=("SELECT $1::uuid", [agent_id]))
+            finally:  # off the kill's way to its daemon; logged even if its requeue fails
+                if changed:
+                    log_audit("agent.kill", agent["actor"], org_id, str(agent_id),
+                              {"origin": origin, "reason": reason})
         await self._await_stopped(live, evicted, report)
         metrics.kills.labels("agent", "already" if report.already_killed else "killed").inc()
         return report
@@ -439,12 +445,14 @@ class Switches:
             agents = [r["id"] for r in rows if r["what"] == "newly"]
             live = [r for r in rows if r["what"] == "live"]
             report = KillReport(already_killed=was, agents=agents)
-            evicted = await self._stop_sessions(
-                conn, "fleet", live, agents, started, report,
-                held=("SELECT id FROM agents WHERE org_id=$1", [org_id]))
-            if org is not None and not was:  # no organisation row: nothing was written
-                log_audit("fleet.kill", org["actor"], org_id, str(org_id),
-                          {"agents": len(agents), "reason": reason})
+            try:
+                evicted = await self._stop_sessions(
+                    conn, "fleet", live, agents, started, report,
+                    held=("SELECT id FROM agents WHERE org_id=$1", [org_id]))
+            finally:  # as in kill_agent
+                if org is not None and not was:  # no organisation row: nothing was written
+                    log_audit("fleet.kill", org["actor"], org_id, str(org_id),
+                              {"agents": len(agents), "reason": reason})
         await self._await_stopped(live, evicted, report)
         metrics.kills.labels("fleet", "already" if was else "killed").inc()
         return report

@@ -131,9 +131,11 @@ def _requests(router: APIRouter) -> set[tuple[str, str]]:
 
 def test_the_switch_routes_are_the_switch_lane_and_are_matched_first() -> None:
     """The routes declared as switches (each API module's `switches`, included first so that
-    FastAPI tries them before any other: the agent kill came after 36 routes) are exactly
-    the requests `is_switch` sends to the switches' lane. A switch declared in one and not
-    the other would queue behind reads, or be looked for after every other route."""
+    FastAPI tries them before any other: the agent kill came after 36 routes) are the
+    requests `is_switch` sends to the switches' lane, and no other route is. A switch
+    declared in one and not the other would queue behind reads, or be looked for after
+    every other route. (The administration page's route of the agent switch serves its
+    resume too, which is not a switch: its kill is what is checked.)"""
     declared = set().union(*(_requests(r) for r in SWITCH_ROUTERS))
     assert len(declared) == 5, f"the switch routes: {sorted(declared)}"
     for method, path in declared:

@@ -666,3 +666,30 @@ async def test_a_kill_whose_flag_function_is_gone_creates_it_and_stops_the_agent
     assert row["killed"] and row["status"] == "killed", f"the agent was not stopped: {row}"
     assert await world.db.fetchval("SELECT count(*) FROM pg_proc WHERE proname=$1",
                                    AGENT_FLAG.name) == 1, "the flag function was not created"
+
+
+async def test_a_kill_whose_requeue_fails_is_still_on_the_log(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kill's audit line is written after its requeue, off its way to the daemon. A
+    requeue that fails (the database gone between the flag and it) answers 503, and the
+    retry the 503 asks for finds the agent already killed and logs nothing: the committed
+    kill must be on the log all the same (its alerts read the log, not the table)."""
+    from structlog.testing import capture_logs
+
+    import covey.switches
+
+    retried = covey.switches._retried
+
+    async def requeue_fails(conn: Any, body: Any, scope: str, step: str,
+                            statement: bool = False) -> Any:
+        if step == "requeue":
+            raise DatabaseUnavailable("the database went away (the test's)")
+        return await retried(conn, body, scope, step, statement=statement)
+    monkeypatch.setattr(covey.switches, "_retried", requeue_fails)
+    agent = await world.agent()
+    with capture_logs() as logs:
+        r = await world.security.post(f"/api/v1/agents/{agent['id']}/kill")
+    assert r.status_code == 503, f"the failed requeue was not answered 503: {r.text}"
+    killed = [e for e in logs if e.get("event") == "audit" and e.get("action") == "agent.kill"
+              and e.get("target") == agent["id"]]
+    assert len(killed) == 1, f"the committed kill's audit line: {killed} (all: {logs})"
