@@ -26,6 +26,7 @@ from covey.db import MAY_RUN, BatchedWrite, Pool, through_outage
 from covey.logs import log_failure
 
 log = structlog.get_logger(__name__)
+_log_task_failure = log_failure(log, "sandbox task failed")
 
 
 @dataclass(frozen=True)
@@ -902,7 +903,7 @@ class Runner:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(log_failure(log, "sandbox task failed"))
+        task.add_done_callback(_log_task_failure)
 
     async def close(self) -> None:
         self._closing = True

@@ -385,8 +385,8 @@ class Switches:
 
         The holds go out before the flag's statement, the moment the request is in. Tried:
         the statement sent first, after one turn of the loop, and the holds while it ran.
-        A single kill on a quiet host reached its daemon 0.15-0.2 ms sooner (kill_latency,
-        1.77-1.87x the floor against 1.95-2.07x), but that turn of the loop took up to
+        A single kill on a quiet host reached its daemon about 0.1 ms sooner (kill_latency,
+        1.77-1.87x the floor against 1.86-1.94x), but that turn of the loop took up to
         5.8 ms with 200 operators' requests in flight (kill_under_load), a hold's worth of
         time in which an agent of the incident-load game day acts; and a fleet kill of 200
         daemons answered later, not sooner (fleet_scale, twice in either order: a median
