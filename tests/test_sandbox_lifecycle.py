@@ -360,6 +360,32 @@ async def _cancel_the_only(callers: list[asyncio.Task[Any]]) -> None:
     assert callers[0].cancelled(), "the start's caller was not cancelled: the test tried nothing"
 
 
+def _starts_held(runner: Any, monkeypatch: pytest.MonkeyPatch, answer: asyncio.Event
+                 ) -> tuple[list[str], asyncio.Event]:
+    """From now on the engine starts a sandbox, then keeps its answer back until `answer`
+    is set (a container's start answers seconds after it runs). The ids of the sandboxes
+    started, and an event set once the first one runs."""
+    provider_start = runner._provider.start
+    started: list[str] = []
+    entered = asyncio.Event()
+
+    async def up_but_slow_to_answer(spec: Any) -> str:
+        handle: str = await provider_start(spec)  # the sandbox runs (the engine's thread)
+        started.append(str(spec.sandbox_id))
+        entered.set()
+        await answer.wait()
+        return handle
+    monkeypatch.setattr(runner._provider, "start", up_but_slow_to_answer)
+    return started, entered
+
+
+async def _session_ended(world: World, sandbox_id: str) -> Any:
+    """The session of this sandbox, once it is no longer live; None while it is."""
+    row = await world.db.fetchrow("SELECT state FROM sessions WHERE sandbox_id=$1",
+                                  uuid.UUID(sandbox_id))
+    return row if row is not None and row["state"] not in ("starting", "running") else None
+
+
 async def test_a_start_whose_caller_is_cancelled_is_carried_through_and_watched(
         lworld: World, monkeypatch: pytest.MonkeyPatch) -> None:
     """The plane cancels a request it gives up on in an outage (a wake, a trigger, a task's
@@ -369,18 +395,9 @@ async def test_a_start_whose_caller_is_cancelled_is_carried_through_and_watched(
     through: the sandbox runs its session, its exit is recorded and nothing of it is left."""
     world = lworld
     runner = world.plane.app.state.orchestrator.runner
-    provider_start = runner._provider.start
     callers = _record_start_callers(runner, monkeypatch)
-    started: list[str] = []
-    entered, released = asyncio.Event(), asyncio.Event()
-
-    async def up_but_slow_to_return(spec: Any) -> str:
-        handle: str = await provider_start(spec)  # the sandbox runs (the engine's thread)
-        started.append(str(spec.sandbox_id))
-        entered.set()
-        await released.wait()  # the engine's answer is on its way back
-        return handle
-    monkeypatch.setattr(runner._provider, "start", up_but_slow_to_return)
+    released = asyncio.Event()  # the engine's answer is on its way back
+    started, entered = _starts_held(runner, monkeypatch, released)
     agent = await world.agent()
     task = await world.task(agent["id"], "model:well_behaved")
     await asyncio.wait_for(entered.wait(), 30)
@@ -440,12 +457,9 @@ async def test_a_start_that_fails_after_its_caller_is_cancelled_settles_its_sess
     await _cancel_the_only(callers)
     released.set()
 
-    async def settled() -> Any:
-        row = await world.db.fetchrow("SELECT state FROM sessions WHERE sandbox_id=$1",
-                                      uuid.UUID(refused[0]))
-        return row if row is not None and row["state"] not in ("starting", "running") else None
-    await eventually(settled, 20, "the session of the refused sandbox is still live: nobody "
-                     "settled it once its start's caller had gone")
+    await eventually(lambda: _session_ended(world, refused[0]), 20,
+                     "the session of the refused sandbox is still live: nobody settled it "
+                     "once its start's caller had gone")
     box = next(s for s in await _sandboxes(world, agent["id"]) if s["id"] == refused[0])
     assert box["state"] == "gone" and box["gone_at"], f"the refused sandbox's row: {box}"
     await world.wait_task(task["id"], "done", deadline_s=60)
@@ -460,17 +474,9 @@ async def test_a_start_in_flight_when_the_runner_closes_is_cut_and_its_caller_to
     is left of its row is the next life's to settle (settle_previous_life)."""
     world = lworld
     runner = world.plane.app.state.orchestrator.runner
-    provider_start, runner_start = runner._provider.start, runner.start
-    started: list[str] = []
+    runner_start = runner.start
     told: list[BaseException] = []
-    entered = asyncio.Event()
-
-    async def up_but_never_answered(spec: Any) -> str:
-        handle: str = await provider_start(spec)  # the sandbox runs
-        started.append(str(spec.sandbox_id))
-        entered.set()
-        await asyncio.Event().wait()  # the engine's answer never comes back
-        return handle
+    started, entered = _starts_held(runner, monkeypatch, asyncio.Event())  # never answers
 
     async def start_heard(*args: Any) -> None:
         try:
@@ -478,7 +484,6 @@ async def test_a_start_in_flight_when_the_runner_closes_is_cut_and_its_caller_to
         except BaseException as exc:  # what the caller (a wake) is told
             told.append(exc)
             raise
-    monkeypatch.setattr(runner._provider, "start", up_but_never_answered)
     monkeypatch.setattr(runner, "start", start_heard)
     agent = await world.agent()
     await world.task(agent["id"], "model:well_behaved")
@@ -491,8 +496,5 @@ async def test_a_start_in_flight_when_the_runner_closes_is_cut_and_its_caller_to
                      "a process of the sandbox outlived the runner's close")
 
     # Lost by the wake that was told, or by the daemon's hang-up if it had connected first.
-    async def ended() -> Any:
-        row = await world.db.fetchrow("SELECT state FROM sessions WHERE sandbox_id=$1",
-                                      uuid.UUID(started[0]))
-        return row if row is not None and row["state"] not in ("starting", "running") else None
-    await eventually(ended, 20, "the session whose start the close cut is still live")
+    await eventually(lambda: _session_ended(world, started[0]), 20,
+                     "the session whose start the close cut is still live")
