@@ -548,26 +548,38 @@ class Switches:
                              report: KillReport) -> None:
         """With the kill's connection back in the pool: the sandboxes' teardown, then the
         wait for the daemons' confirmations."""
+        # A daemon that connected since the flag was sent the kill by its take-up (its
+        # session was over by then): it is waited for like the others.
+        here = set(report.kill_delivered)
+        report.kill_delivered += [s["id"] for s in live
+                                  if s["id"] not in here and self.hub.kill_sent(s["id"])]
+        here = set(report.kill_delivered)
+        unconnected: dict[UUID, UUID] = {}
         if self.runner is not None:
             await self.runner.discard_evicted(evicted)
-            self.runner.tear_down([s["sandbox_id"] for s in live],
-                                  {s["sandbox_id"] for s in live
-                                   if s["id"] in report.kill_delivered})
+            # A session started at the instant of the kill: its sandbox runs here, its daemon
+            # has not connected, so no kill can reach it. Torn down now, and counted.
+            unconnected = self.runner.sandboxes_of([s["id"] for s in live
+                                                    if s["id"] not in here])
+            self.runner.tear_down([s["sandbox_id"] for s in live
+                                   if s["id"] not in unconnected],
+                                  {s["sandbox_id"] for s in live if s["id"] in here})
         # The answer waits until the daemons have the kill in hand: a game day once saw a
         # model call leave a sandbox after the acknowledgement, the kill still on its way
         # through a proxy. Bounded: a daemon that cannot answer is stopped by its lease.
         # Those another replica holds too: a game day pulled a kill on one replica and had
         # its answer before the daemon on the other had even heard of it.
         bound_s = self._confirm_bound_s
-        here = set(report.kill_delivered)
-        (local, torn), remote = await asyncio.gather(
+        (local, torn), early, remote = await asyncio.gather(
             self._second_line(report.kill_delivered, bound_s),
-            self._confirmed_elsewhere([s["id"] for s in live if s["id"] not in here],
-                                      bound_s))
-        report.kill_confirmed = [*local, *remote]
+            self._tear_down_unconnected(unconnected),
+            self._confirmed_elsewhere([s["id"] for s in live if s["id"] not in here
+                                       and s["id"] not in unconnected], bound_s))
+        report.kill_confirmed = [*local, *early, *remote]
         report.kill_acknowledged = [*self.hub.acknowledged(local),
                                     *(s for s, how in remote.items() if how == "kill_ack")]
-        report.kill_torn_down = [*torn, *(s for s, how in remote.items() if how == "teardown")]
+        report.kill_torn_down = [*torn, *early,
+                                 *(s for s, how in remote.items() if how == "teardown")]
 
     @property
     def _confirm_bound_s(self) -> float:
@@ -634,6 +646,25 @@ class Switches:
             done.set_result(None)
         if theirs:
             await asyncio.wait(theirs)
+
+    async def _tear_down_unconnected(self, running: dict[UUID, UUID]) -> list[UUID]:
+        """Tear down the sandboxes (session -> sandbox) whose daemon had not connected when
+        the kill came, at once: there is nothing to wait for. Returns the sessions whose
+        sandbox was destroyed; each records a teardown with no kill sent (none could be), so
+        that nobody reads it as a daemon that was told and did not obey. One whose daemon
+        connects meanwhile is told by its take-up and dies all the same."""
+        if not running or self.runner is None:
+            return []
+        destroyed = set(await self.runner.tear_down_now(list(running.values()), 0.0))
+        torn = [s for s, sandbox_id in running.items() if sandbox_id in destroyed]
+        at = datetime.now(UTC)
+        for session_id in torn:
+            log.warning("sandbox torn down before its daemon connected",
+                        session_id=str(session_id), sandbox_id=str(running[session_id]))
+            self.spawn(through_outage(functools.partial(
+                self.record_kill_confirmation.write, session_id, None, at, "teardown", None),
+                "kill confirmation"))
+        return torn
 
     def _save_teardown(self, link: DaemonLink) -> None:
         """Write a teardown's confirmation on the session, without holding up the kill's

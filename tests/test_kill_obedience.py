@@ -7,6 +7,7 @@ real WebSocket, the scripted daemon started by the process backend."""
 
 from __future__ import annotations
 
+import sys
 import time
 import uuid
 from datetime import datetime
@@ -123,6 +124,50 @@ async def test_a_daemon_that_never_acknowledges_is_torn_down_within_the_bound(
                "sandbox down" in verdict.message, verdict.message
         metrics = (await world.anonymous.get("/metrics")).text
         assert 'covey_kill_confirmation_seconds_count{by="teardown"}' in metrics
+
+
+async def test_a_sandbox_whose_daemon_has_not_connected_is_torn_down_and_counted(
+        database_url: str, tmp_path: Path) -> None:
+    """A session started at the instant of a kill: its sandbox runs, its daemon has not
+    connected yet, so no kill can reach it. The runner tears the sandbox down, the kill's
+    answer counts it (confirmed by a teardown, not obeyed) and its record says so, with no
+    kill sent. Before, the answer listed it cancelled and nothing else, and its sandbox died
+    of a SIGKILL that nothing recorded."""
+    silent = [sys.executable, "-c", "import time; time.sleep(60)"]  # never connects
+    async with start_plane(database_url, tmp_path, silent, lease_ms=20_000) as plane, \
+            make_world(plane) as world:
+        agent = await world.agent()
+        await world.task(agent["id"], "hold")
+
+        async def held_here() -> uuid.UUID | None:
+            session = await world.db.fetchval(
+                "SELECT id FROM sessions WHERE agent_id=$1 AND state='starting'",
+                uuid.UUID(agent["id"]))
+            runner = plane.orch.runner
+            held = session is not None and runner is not None \
+                and runner.sandboxes_of([session])
+            return session if held else None
+        session = await eventually(held_here, 15, "the agent's sandbox never started")
+
+        started = time.monotonic()
+        r = await world.security.post(f"/api/v1/agents/{agent['id']}/kill")
+        assert r.status_code == 200, r.text
+        report = r.json()
+        assert report["sessions_cancelled"] == [str(session)], report
+        assert report["sessions_confirmed"] == report["sessions_torn_down"] \
+            == [str(session)], report
+        assert report["sessions_acknowledged"] == [], report
+        assert time.monotonic() - started < 10, "the answer waited for the lease"
+
+        async def recorded() -> dict[str, Any] | None:
+            rows = (await world.auditor.get(f"/api/v1/agents/{agent['id']}/sessions")).json()
+            return next((s for s in rows if s["kill_confirmed_by"]), None)
+        row = await eventually(recorded, 15, "the teardown never reached the session record")
+        assert (row["id"], row["kill_sent_at"], row["kill_confirmed_by"]) \
+            == (str(session), None, "teardown"), row
+        assert row["kill_confirmed_at"] is not None
+        assert kill_delivery(agent["id"], row) is None  # no kill sent: nothing to obey
+        assert await _exit_code(world, agent["id"]) == -9
 
 
 async def test_the_replica_that_holds_a_deaf_daemon_tears_it_down(

@@ -288,8 +288,8 @@ class KillOut(BaseModel):
     sessions_torn_down: list[UUID] = Field(
         default_factory=list,
         description="Of those confirmed, the sessions whose daemon had not acknowledged the "
-                    "kill within COVEY_KILL_ACK_BOUND_MS: the runner tore their sandboxes "
-                    "down (not obeyed)")
+                    "kill within COVEY_KILL_ACK_BOUND_MS, or had not connected yet when it "
+                    "came: the runner tore their sandboxes down (not obeyed)")
     tasks_requeued: list[UUID]
     evicted_sandboxes: list[UUID]
 
@@ -378,13 +378,15 @@ class SessionOut(BaseModel):
         "sleep, or an error; null when it said nothing (a crash, a cut channel)")
     daemon_stop_detail: str | None = None
     kill_sent_at: datetime | None = Field(
-        default=None, description="When a kill message went out to this session's daemon")
+        default=None, description="When a kill message went out to this session's daemon "
+        "(null with a teardown: its daemon had not connected when the kill came)")
     kill_confirmed_at: datetime | None = None
     kill_confirmed_by: Literal["kill_ack", "lease", "hang_up", "teardown"] | None = Field(
         default=None, description="How that kill was confirmed: the daemon's kill_ack "
         "(obeyed), or only its hang-up after its lease ran out (lease) or without a word "
         "(hang_up), or the runner tearing its sandbox down because it had not acknowledged "
-        "within COVEY_KILL_ACK_BOUND_MS (teardown); only kill_ack is obedience")
+        "within COVEY_KILL_ACK_BOUND_MS, or had not connected yet (teardown); only kill_ack "
+        "is obedience")
     kill_acked_at: datetime | None = Field(
         default=None, description="When the daemon acknowledged the kill, on its own clock "
         "(from its kill_ack; null without one): it sends no model request after this")
