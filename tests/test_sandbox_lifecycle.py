@@ -8,7 +8,9 @@ import asyncio
 import contextlib
 import os
 import socket
+import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from datetime import datetime
@@ -498,3 +500,62 @@ async def test_a_start_in_flight_when_the_runner_closes_is_cut_and_its_caller_to
     # Lost by the wake that was told, or by the daemon's hang-up if it had connected first.
     await eventually(lambda: _session_ended(world, started[0]), 20,
                      "the session whose start the close cut is still live")
+
+
+def _spec(tmp_path: Path) -> SandboxSpec:
+    sandbox_id = uuid.uuid4()
+    return SandboxSpec(sandbox_id=sandbox_id, agent_id=uuid.uuid4(), session_id=uuid.uuid4(),
+                       home=tmp_path / "home", env={"COVEY_SANDBOX_ID": str(sandbox_id)})
+
+
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "thread"])
+async def test_a_process_sandbox_s_exit_code_is_its_daemon_s(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pidfd: bool) -> None:
+    """The process backend's watch, as the runner reads it: an exit code as the daemon gave
+    it, and a signal's as its negative, through the daemon's pidfd or, where the kernel has
+    none, a thread of its own."""
+    if not pidfd:
+        def no_pidfd(pid: int, flags: int = 0) -> int:
+            raise OSError("no pidfd here (the test's)")
+        monkeypatch.setattr(os, "pidfd_open", no_pidfd)
+    exits = ProcessProvider([sys.executable, "-c", "import sys; sys.exit(7)"],
+                            tmp_path / "logs")
+    handle = await exits.start(_spec(tmp_path))
+    assert (await asyncio.wait_for(exits.wait(handle), 30)).code == 7
+    sleeps = ProcessProvider([sys.executable, "-c", "import time; time.sleep(30)"],
+                             tmp_path / "logs")
+    spec = _spec(tmp_path)
+    handle = await sleeps.start(spec)
+    await sleeps.destroy(handle)
+    assert (await asyncio.wait_for(sleeps.wait(handle), 30)).code == -9
+    assert _left_of(str(spec.sandbox_id)) == []
+
+
+async def test_a_process_start_cancelled_while_it_spawns_leaves_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spawn runs in a thread, which a cancellation cannot stop: the process it starts
+    all the same is killed and reaped, not left running with nobody watching it."""
+    import covey.sandbox
+    entered, release, spawned = threading.Event(), threading.Event(), threading.Event()
+    popen = subprocess.Popen
+
+    def held_popen(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        entered.set()
+        release.wait(30)
+        try:
+            return popen(*args, **kwargs)
+        finally:
+            spawned.set()
+    monkeypatch.setattr(covey.sandbox.subprocess, "Popen", held_popen)
+    provider = ProcessProvider([sys.executable, "-c", "import time; time.sleep(30)"],
+                               tmp_path / "logs")
+    spec = _spec(tmp_path)
+    start = asyncio.ensure_future(provider.start(spec))
+    assert await asyncio.to_thread(entered.wait, 30)
+    start.cancel()
+    await asyncio.sleep(0)  # the cancellation reaches the start before the spawn returns
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await start
+    assert await asyncio.to_thread(spawned.wait, 30)
+    assert _left_of(str(spec.sandbox_id)) == [], "the cancelled start's process still runs"
