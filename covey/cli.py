@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         warning = model_url_warning(settings)
         if warning:
             log.warning(warning)
-        app = create_app(settings, host=args.host, port=args.port)
+        app = create_app(settings, host=args.host, port=args.port, freeze_heap=True)
         # log_config=None: uvicorn's loggers write through ours, which redact tokens.
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", log_config=None,
                     ws="websockets-sansio", ws_ping_interval=5, ws_ping_timeout=5,
