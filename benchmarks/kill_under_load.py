@@ -36,8 +36,8 @@ from harness.load.runner import (
     judge,
     prepare_fleet,
     read_samples,
-    read_stats,
     run_load,
+    run_stats,
 )
 from harness.stack.processes import ProcessesStack
 
@@ -87,7 +87,9 @@ async def run(options: argparse.Namespace) -> dict[str, Any]:
                                            "rounds": options.rounds,
                                            "spawn_rate": options.spawn_rate,
                                            "levels": [lv.name for lv in options.levels],
-                                           "killer_pause_s": options.killer_pause},
+                                           "killer_pause_s": options.killer_pause,
+                                           "killer_with_operators":
+                                               options.killer_with_operators},
         "levels": [], "rounds": []}
     report_dir = Path(options.report_dir)
     runs: dict[str, list[tuple[LoadResult, dict[str, dict[str, float]], float]]] = {
@@ -106,7 +108,8 @@ async def run(options: argparse.Namespace) -> dict[str, Any]:
                     await all_working(admin, fleet.agent_ids, 120)
                     plan = LoadPlan(users=level.users, spawn_rate=options.spawn_rate,
                                     run_time=options.run_time, processes=level.processes,
-                                    killer_pause_s=options.killer_pause)
+                                    killer_pause_s=options.killer_pause,
+                                    killers_apart=not options.killer_with_operators)
                     before, started = cpu_use.reading(postgres), time.monotonic()
                     result = await run_load(endpoints, fleet, plan, report_dir,
                                             name=f"bench-load-{level.users}-{level.processes}")
@@ -124,7 +127,7 @@ async def run(options: argparse.Namespace) -> dict[str, Any]:
     for level in options.levels:
         done = runs[level.name]
         samples = [s for r, _, _ in done for s in read_samples(Path(r.files["samples"]))]
-        stats = [row_ for r, _, _ in done for row_ in read_stats(Path(r.files["csv"]))]
+        stats = [row_ for r, _, _ in done for row_ in run_stats(r.files)]
         pooled = judge(done[0][0].plan, samples, stats, 0)
         wall_s = sum(w for _, _, w in done)
         report["levels"].append({**figures(level, pooled, [r for r, _, _ in done]),
@@ -214,6 +217,10 @@ def main() -> None:
     parser.add_argument("--levels", type=levels, default=LEVELS,
                         help="operators per level, comma-separated, N:W over W Locust "
                              "workers; the first 0 (0,10,50,100,100:2)")
+    parser.add_argument("--killer-with-operators", action="store_true",
+                        help="the killer in the operators' Locust process, timing the "
+                             "switch through their gevent loop (before 2026-12-07: the "
+                             "default); otherwise a process of its own")
     parser.add_argument("--report-dir", default="reports/bench-load")
     parser.add_argument("--json", help="write every figure here")
     options = parser.parse_args()

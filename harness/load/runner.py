@@ -17,7 +17,7 @@ import os
 import secrets
 import signal
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,8 @@ class LoadPlan:
     kill_bound_ms: float = 5000.0  # a kill whose daemon exits later than this failed
     max_kill_p99_ms: float | None = None  # the gate on kill → daemon exited
     master_workers: int = 0  # > 0: wait for this many `locust --worker`s from elsewhere
+    # The killers in a Locust process of their own (run_load), not among the operators.
+    killers_apart: bool = False
 
 
 @dataclass(frozen=True)
@@ -151,12 +153,33 @@ async def all_working(client: CoveyClient, agent_ids: list[str], deadline_s: flo
 
 async def run_load(endpoints: Endpoints, fleet: Fleet, plan: LoadPlan, report_dir: Path,
                    name: str = "load") -> LoadResult:
-    """Run Locust headless against the stack and judge the run."""
+    """Run Locust headless against the stack and judge the run.
+
+    With `plan.killers_apart`, the operators and the killers are two Locust processes side
+    by side, their statistics read together. A killer among the operators times the switch
+    through their gevent loop: under 200 operators, stamped on both sides, a kill waited up
+    to 57 ms between the killer's stamp and the control plane's receipt, and up to 41 ms
+    between the plane's answer and the killer's, with the plane's event loop never held
+    that long meanwhile (kill_under_load)."""
     files = report_files(report_dir, name)
-    log = Path(files["locust_log"])
-    command = locust_command(endpoints.url, plan, files)
     env = {**os.environ, **load_environment(fleet, plan),
            "COVEY_LOAD_SAMPLES": files["samples"]}
+    runs = [(locust_command(endpoints.url, plan, files), Path(files["locust_log"]))]
+    if plan.killers_apart and plan.users:
+        apart = killer_files(files)
+        files.update({f"killers_{k}": v for k, v in apart.items()})
+        runs = [([*locust_command(endpoints.url, replace(plan, killers=0), files), "Operator"],
+                 Path(files["locust_log"])),
+                ([*locust_command(endpoints.url, replace(plan, users=0, processes=1,
+                                                         master_workers=0), apart), "Killer"],
+                 Path(apart["locust_log"]))]
+    codes = await asyncio.gather(*(_locust(command, env, log, plan) for command, log in runs))
+    return await asyncio.to_thread(finish, plan, files,
+                                   next((c for c in codes if c != 0), 0))
+
+
+async def _locust(command: list[str], env: dict[str, str], log: Path, plan: LoadPlan) -> int:
+    """One Locust process, run to its end; its exit code."""
     out = await asyncio.to_thread(log.open, "wb")
     try:
         locust = await asyncio.create_subprocess_exec(
@@ -180,7 +203,7 @@ async def run_load(endpoints: Endpoints, fleet: Fleet, plan: LoadPlan, report_di
             os.killpg(locust.pid, signal.SIGTERM)
     finally:
         out.close()
-    return await asyncio.to_thread(finish, plan, files, code)
+    return code
 
 
 def locust_command(url: str, plan: LoadPlan, files: dict[str, str],
@@ -217,10 +240,23 @@ def report_files(report_dir: Path, name: str) -> dict[str, str]:
             "locust_log": f"{base}.locust.log"}
 
 
+def killer_files(files: dict[str, str]) -> dict[str, str]:
+    """The killers' own Locust files, beside the operators' (their samples are shared)."""
+    base = files["csv_prefix"] + "-killers"
+    return {"csv_prefix": base, "csv": f"{base}_stats.csv", "html": f"{base}.html",
+            "locust_log": f"{base}.locust.log"}
+
+
+def run_stats(files: dict[str, str]) -> list[dict[str, str]]:
+    """Locust's statistics of a run: the operators' and, apart, the killers'."""
+    return [row for key in ("csv", "killers_csv") if key in files
+            for row in read_stats(Path(files[key]))]
+
+
 def finish(plan: LoadPlan, files: dict[str, str], locust_exit_code: int) -> LoadResult:
-    result = judge(plan, read_samples(Path(files["samples"])), read_stats(Path(files["csv"])),
+    result = judge(plan, read_samples(Path(files["samples"])), run_stats(files),
                    locust_exit_code)
-    result.files = {k: v for k, v in files.items() if k != "csv_prefix"}
+    result.files = {k: v for k, v in files.items() if not k.endswith("csv_prefix")}
     Path(files["summary"]).write_text(json.dumps(result.to_json(), indent=2))
     return result
 
