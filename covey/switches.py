@@ -249,6 +249,8 @@ class KillReport:
     kill_acknowledged: list[UUID] = field(default_factory=list)  # by kill_ack, not a hang-up
     # Confirmed by the second line: not acknowledged within the bound, sandbox torn down.
     kill_torn_down: list[UUID] = field(default_factory=list)
+    # Of those, the sandboxes whose daemon had not connected: no kill could be sent.
+    kill_unconnected: list[UUID] = field(default_factory=list)
     tasks_requeued: list[UUID] = field(default_factory=list)
     agents: list[UUID] = field(default_factory=list)
     evicted_sandboxes: list[UUID] = field(default_factory=list)
@@ -548,15 +550,15 @@ class Switches:
                              report: KillReport) -> None:
         """With the kill's connection back in the pool: the sandboxes' teardown, then the
         wait for the daemons' confirmations."""
-        # A daemon that connected since the flag was sent the kill by its take-up (its
-        # session was over by then): it is waited for like the others.
-        here = set(report.kill_delivered)
-        report.kill_delivered += [s["id"] for s in live
-                                  if s["id"] not in here and self.hub.kill_sent(s["id"])]
-        here = set(report.kill_delivered)
-        unconnected: dict[UUID, UUID] = {}
         if self.runner is not None:
             await self.runner.discard_evicted(evicted)
+        # A daemon that connected since the flag was sent the kill by its take-up (its
+        # session was over by then): it is waited for like the others, its bound from then.
+        sent = set(report.kill_delivered)
+        late = [s["id"] for s in live if s["id"] not in sent and self.hub.kill_sent(s["id"])]
+        here = sent | set(late)
+        unconnected: dict[UUID, UUID] = {}
+        if self.runner is not None:
             # A session started at the instant of the kill: its sandbox runs here, its daemon
             # has not connected, so no kill can reach it. Torn down now, and counted.
             unconnected = self.runner.sandboxes_of([s["id"] for s in live
@@ -570,16 +572,23 @@ class Switches:
         # Those another replica holds too: a game day pulled a kill on one replica and had
         # its answer before the daemon on the other had even heard of it.
         bound_s = self._confirm_bound_s
-        (local, torn), early, remote = await asyncio.gather(
-            self._second_line(report.kill_delivered, bound_s),
-            self._tear_down_unconnected(unconnected),
-            self._confirmed_elsewhere([s["id"] for s in live if s["id"] not in here
-                                       and s["id"] not in unconnected], bound_s))
+        (local, torn), (told, torn_late), (early, told_meanwhile), remote = \
+            await asyncio.gather(
+                self._second_line(report.kill_delivered, bound_s),
+                self._second_line(late, bound_s),
+                self._tear_down_unconnected(unconnected),
+                self._confirmed_elsewhere([s["id"] for s in live if s["id"] not in here
+                                           and s["id"] not in unconnected], bound_s))
+        told_last, torn_last = (await self._second_line(told_meanwhile, bound_s)
+                                if told_meanwhile else ([], []))
+        report.kill_delivered += [*late, *told_meanwhile]
+        local = [*local, *told, *told_last]
         report.kill_confirmed = [*local, *early, *remote]
         report.kill_acknowledged = [*self.hub.acknowledged(local),
                                     *(s for s, how in remote.items() if how == "kill_ack")]
-        report.kill_torn_down = [*torn, *early,
+        report.kill_torn_down = [*torn, *torn_late, *torn_last, *early,
                                  *(s for s, how in remote.items() if how == "teardown")]
+        report.kill_unconnected = early
 
     @property
     def _confirm_bound_s(self) -> float:
@@ -647,15 +656,26 @@ class Switches:
         if theirs:
             await asyncio.wait(theirs)
 
-    async def _tear_down_unconnected(self, running: dict[UUID, UUID]) -> list[UUID]:
+    async def _tear_down_unconnected(self, running: dict[UUID, UUID]
+                                     ) -> tuple[list[UUID], list[UUID]]:
         """Tear down the sandboxes (session -> sandbox) whose daemon had not connected when
-        the kill came, at once: there is nothing to wait for. Returns the sessions whose
-        sandbox was destroyed; each records a teardown with no kill sent (none could be), so
-        that nobody reads it as a daemon that was told and did not obey. One whose daemon
-        connects meanwhile is told by its take-up and dies all the same."""
+        the kill came, at once: there is nothing to wait for. Each records a teardown with no
+        kill sent (none could be), so that nobody reads it as a daemon that was told and did
+        not obey. Returns the sessions torn down, and those whose daemon connected meanwhile
+        and was told by its take-up (left alone: waited for as any told daemon is).
+
+        A teardown the backend fails (an engine gone) fails nothing: the sandbox's lease
+        stops its daemon, and the answer does not count it."""
         if not running or self.runner is None:
-            return []
-        destroyed = set(await self.runner.tear_down_now(list(running.values()), 0.0))
+            return [], []
+        told = [s for s in running if self.hub.kill_sent(s)]
+        running = {s: b for s, b in running.items() if s not in told}
+        try:
+            destroyed = set(await self.runner.tear_down_now(list(running.values()), 0.0))
+        except Exception as exc:
+            log.error("sandboxes not torn down", error=str(exc),
+                      sandbox_ids=[str(b) for b in running.values()])
+            destroyed = set()
         torn = [s for s, sandbox_id in running.items() if sandbox_id in destroyed]
         at = datetime.now(UTC)
         for session_id in torn:
@@ -664,7 +684,7 @@ class Switches:
             self.spawn(through_outage(functools.partial(
                 self.record_kill_confirmation.write, session_id, None, at, "teardown", None),
                 "kill confirmation"))
-        return torn
+        return torn, told
 
     def _save_teardown(self, link: DaemonLink) -> None:
         """Write a teardown's confirmation on the session, without holding up the kill's

@@ -110,7 +110,7 @@ async def test_a_daemon_that_never_acknowledges_is_torn_down_within_the_bound(
         assert report["sessions_cancelled"] != []
         assert report["sessions_confirmed"] == report["sessions_torn_down"] \
             == report["sessions_cancelled"], report
-        assert report["sessions_acknowledged"] == [], report
+        assert report["sessions_acknowledged"] == report["sessions_not_connected"] == [], report
         assert (session["kill_confirmed_by"], session["daemon_stop"]) == ("teardown", None)
         waited = (datetime.fromisoformat(session["kill_confirmed_at"])
                   - datetime.fromisoformat(session["kill_sent_at"])).total_seconds()
@@ -149,15 +149,13 @@ async def test_a_sandbox_whose_daemon_has_not_connected_is_torn_down_and_counted
             return session if held else None
         session = await eventually(held_here, 15, "the agent's sandbox never started")
 
-        started = time.monotonic()
         r = await world.security.post(f"/api/v1/agents/{agent['id']}/kill")
         assert r.status_code == 200, r.text
         report = r.json()
         assert report["sessions_cancelled"] == [str(session)], report
         assert report["sessions_confirmed"] == report["sessions_torn_down"] \
-            == [str(session)], report
+            == report["sessions_not_connected"] == [str(session)], report
         assert report["sessions_acknowledged"] == [], report
-        assert time.monotonic() - started < 10, "the answer waited for the lease"
 
         async def recorded() -> dict[str, Any] | None:
             rows = (await world.auditor.get(f"/api/v1/agents/{agent['id']}/sessions")).json()

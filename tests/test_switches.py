@@ -84,7 +84,7 @@ async def test_agent_kill_is_idempotent(world: World) -> None:
     assert again.json() == {"already_killed": True, "agents_stopped": [agent["id"]],
                             "sessions_cancelled": [], "sessions_confirmed": [],
                             "sessions_acknowledged": [], "sessions_torn_down": [],
-                            "tasks_requeued": [],
+                            "sessions_not_connected": [], "tasks_requeued": [],
                             "evicted_sandboxes": []}
     assert await world.snapshot() == before
 

@@ -127,9 +127,11 @@ async def stop_summary(orch: Orchestrator, report: KillReport) -> dict[str, Any]
         " WHERE s.id = ANY($1::uuid[])", report.sessions_cancelled)}
     acked, torn, confirmed = (set(report.kill_acknowledged), set(report.kill_torn_down),
                               set(report.kill_confirmed))
+    unconnected = set(report.kill_unconnected)
     answer["daemons"] = [
         {"session_id": str(s), "agent": slugs.get(s, ""),
          "answer": "acknowledged the kill" if s in acked
+         else "had not connected yet: its sandbox was torn down" if s in unconnected
          else "did not acknowledge in time: its sandbox was torn down" if s in torn
          else "hung up (confirmed, not acknowledged)" if s in confirmed
          else "not confirmed yet (no daemon answered before this reply)"}

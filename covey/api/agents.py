@@ -102,6 +102,7 @@ def kill_out(report: KillReport) -> KillOut:
         sessions_confirmed=report.kill_confirmed,
         sessions_acknowledged=report.kill_acknowledged,
         sessions_torn_down=report.kill_torn_down,
+        sessions_not_connected=report.kill_unconnected,
         tasks_requeued=report.tasks_requeued,
         evicted_sandboxes=report.evicted_sandboxes,
     )

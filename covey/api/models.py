@@ -280,7 +280,8 @@ class KillOut(BaseModel):
     agents_stopped: list[UUID]
     sessions_cancelled: list[UUID]
     sessions_confirmed: list[UUID] = Field(
-        description="Sessions whose daemon confirmed the kill (or hung up) before this answer")
+        description="Sessions whose daemon confirmed the kill (or hung up) before this answer, "
+                    "or whose sandbox was torn down")
     sessions_acknowledged: list[UUID] = Field(
         default_factory=list,
         description="Of those, the sessions whose daemon obeyed: it acknowledged the kill "
@@ -290,6 +291,10 @@ class KillOut(BaseModel):
         description="Of those confirmed, the sessions whose daemon had not acknowledged the "
                     "kill within COVEY_KILL_ACK_BOUND_MS, or had not connected yet when it "
                     "came: the runner tore their sandboxes down (not obeyed)")
+    sessions_not_connected: list[UUID] = Field(
+        default_factory=list,
+        description="Of those torn down, the sessions whose daemon had not connected when the "
+                    "kill came: no kill could be sent to it, so none was disobeyed")
     tasks_requeued: list[UUID]
     evicted_sandboxes: list[UUID]
 
