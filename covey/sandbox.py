@@ -238,8 +238,7 @@ class ProcessProvider:
         try:
             proc, grouped = await asyncio.shield(spawning)
         except asyncio.CancelledError:  # it starts all the same: it must not outlive this
-            with contextlib.suppress(Exception):
-                await _destroyed((await spawning)[0])
+            spawning.add_done_callback(_kill_spawned)
             raise
         handle = str(proc.pid)
         if self._closed:  # closed while it was being spawned
@@ -311,30 +310,40 @@ class ProcessProvider:
 
 async def _exit_of(proc: subprocess.Popen[bytes]) -> DaemonExit:
     """The child's exit code (negative: the signal that ended it) and when it exited: the
-    moment its pidfd turns readable on the event loop. Where the kernel has no pidfd (Linux
-    before 5.3), a thread of its own waits for it instead.
+    moment its pidfd turned readable, on the event loop. Where there is no pidfd (Linux
+    before 5.3, another system), a thread of its own waits for it instead.
 
     Reaped in a thread, never on the loop: stamped under load, the reap of an exited daemon
     (a bare waitpid, even with WNOHANG) held the event loop 46-50 ms, twice in one run."""
     loop = asyncio.get_running_loop()
-    exited: asyncio.Future[None] = loop.create_future()
+    exited: asyncio.Future[int] = loop.create_future()
     try:
         fd = os.pidfd_open(proc.pid)
-    except OSError:  # no pidfd here, or the child is reaped already
+    except (OSError, AttributeError):  # no pidfd here, or the child is reaped already
         threading.Thread(target=lambda: (proc.wait(), loop.call_soon_threadsafe(
-            _settle, exited)), name=f"sandbox-{proc.pid}", daemon=True).start()
-        await exited
-        return DaemonExit(proc.wait(), time.time_ns())  # reaped by that thread
+            _stamp, exited)), name=f"sandbox-{proc.pid}", daemon=True).start()
+        at_ns = await exited
+        return DaemonExit(proc.wait(), at_ns)  # reaped by that thread
     try:
-        loop.add_reader(fd, _settle, exited)
+        loop.add_reader(fd, _stamp, exited)
         try:
-            await exited
+            at_ns = await exited
         finally:
             loop.remove_reader(fd)
     finally:
         os.close(fd)
-    at_ns = time.time_ns()
     return DaemonExit(await asyncio.to_thread(proc.wait), at_ns)
+
+
+def _kill_spawned(spawning: asyncio.Future[tuple[subprocess.Popen[bytes], bool]]) -> None:
+    """A start cancelled while its thread spawned: what it started is killed and reaped,
+    whatever becomes of the cancelled start meanwhile."""
+    if spawning.cancelled() or spawning.exception() is not None:
+        return
+    proc = spawning.result()[0]
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    threading.Thread(target=proc.wait, name=f"sandbox-{proc.pid}", daemon=True).start()
 
 
 async def _destroyed(proc: subprocess.Popen[bytes]) -> None:
@@ -344,9 +353,9 @@ async def _destroyed(proc: subprocess.Popen[bytes]) -> None:
     await _exit_of(proc)
 
 
-def _settle(future: asyncio.Future[None]) -> None:
+def _stamp(future: asyncio.Future[int]) -> None:
     if not future.done():
-        future.set_result(None)
+        future.set_result(time.time_ns())
 
 
 def _resolve(future: asyncio.Future[DaemonExit], exit_: DaemonExit) -> None:
