@@ -222,7 +222,7 @@ class Toolbox:
 def _kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-    _die_first(os.PRIO_PGRP, pid)
+        _die_first(os.PRIO_PGRP, pid)
 
 
 def _die_first(which: int, who: int) -> None:
