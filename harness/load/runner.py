@@ -165,7 +165,9 @@ async def run_load(endpoints: Endpoints, fleet: Fleet, plan: LoadPlan, report_di
     env = {**os.environ, **load_environment(fleet, plan),
            "COVEY_LOAD_SAMPLES": files["samples"]}
     runs = [(locust_command(endpoints.url, plan, files), Path(files["locust_log"]))]
-    if plan.killers_apart and plan.users:
+    # Apart only where both start at once: workers (`--processes`, `--master`) start the
+    # operators' run-time only once they are all there, and the killer would run ahead.
+    if plan.killers_apart and plan.users and plan.processes == 1 and not plan.master_workers:
         apart = killer_files(files)
         files.update({f"killers_{k}": v for k, v in apart.items()})
         runs = [([*locust_command(endpoints.url, replace(plan, killers=0), files), "Operator"],
@@ -173,7 +175,9 @@ async def run_load(endpoints: Endpoints, fleet: Fleet, plan: LoadPlan, report_di
                 ([*locust_command(endpoints.url, replace(plan, users=0, processes=1,
                                                          master_workers=0), apart), "Killer"],
                  Path(apart["locust_log"]))]
-    codes = await asyncio.gather(*(_locust(command, env, log, plan) for command, log in runs))
+    async with asyncio.TaskGroup() as group:  # one failing stops the other
+        running = [group.create_task(_locust(command, env, log, plan)) for command, log in runs]
+    codes = [task.result() for task in running]
     return await asyncio.to_thread(finish, plan, files,
                                    next((c for c in codes if c != 0), 0))
 
