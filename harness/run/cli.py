@@ -320,6 +320,10 @@ def load(
                                                       "this failed")] = 5000.0,
     max_kill_p99_ms: Annotated[float | None, typer.Option(
         help="fail when kill → daemon exited p99 is over this")] = None,
+    killers_apart: Annotated[bool, typer.Option(
+        "--killers-apart/--killers-with-operators",
+        help="the killers in a Locust process of their own, so that the switch is not timed "
+             "through the operators' event loop (without workers only)")] = True,
     report_dir: Annotated[Path, typer.Option(help="where the reports go")] = Path("reports"),
     target_url: Annotated[str | None, typer.Option(envvar="COVEY_TARGET_URL")] = None,
     target_email: Annotated[str | None, typer.Option(envvar="COVEY_TARGET_EMAIL")] = None,
@@ -341,7 +345,8 @@ def load(
         raise typer.BadParameter(str(exc), param_hint="--run-time") from None
     plan = LoadPlan(users=users, spawn_rate=spawn_rate, run_time=run_time,
                     processes=processes, killers=killers, kill_bound_ms=kill_bound_ms,
-                    max_kill_p99_ms=max_kill_p99_ms, master_workers=master)
+                    max_kill_p99_ms=max_kill_p99_ms, master_workers=master,
+                    killers_apart=killers_apart)
     chosen = make_stack(stack, report_dir, target_url, target_email, target_password,
                         puppet_port)
     result = asyncio.run(_load(chosen, plan, agents, report_dir))

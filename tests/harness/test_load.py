@@ -162,10 +162,15 @@ def test_a_short_headless_load_run_passes_and_writes_its_reports(tmp_path: Path)
     assert set(summary["parts_us"]) == {"kill → acknowledged", "kill → daemon acked",
                                         "kill → daemon exited", "kill → task open"}
     assert summary["requests"] > 0 and summary["request_failures"] == 0
-    for kind in ("csv", "html"):
+    # The killer in a Locust process of its own: its statistics beside the operators'.
+    for kind in ("csv", "html", "killers_csv", "killers_html"):
         assert Path(summary["files"][kind]).stat().st_size > 0, kind
-    html = Path(summary["files"]["html"]).read_text()
-    # Locust's own report shows the KILL request type (its data is JSON, arrows escaped).
+    killers = Path(summary["files"]["killers_csv"]).read_text()
+    operators = Path(summary["files"]["csv"]).read_text()
+    assert "KILL" in killers and "KILL" not in operators
+    html = Path(summary["files"]["killers_html"]).read_text()
+    # The killers' Locust report shows the KILL request type (its data is JSON, arrows
+    # escaped).
     assert '"KILL"' in html and "daemon exited" in html
     assert "every kill held" in run.stdout
 
