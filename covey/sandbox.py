@@ -328,11 +328,18 @@ async def _exit_of(proc: subprocess.Popen[bytes]) -> DaemonExit:
         loop.add_reader(fd, _stamp, exited)
         try:
             at_ns = await exited
+        except asyncio.CancelledError:  # the watch is given up (a closing plane): no zombie
+            _reap_later(proc)
+            raise
         finally:
             loop.remove_reader(fd)
     finally:
         os.close(fd)
     return DaemonExit(await asyncio.to_thread(proc.wait), at_ns)
+
+
+def _reap_later(proc: subprocess.Popen[bytes]) -> None:
+    threading.Thread(target=proc.wait, name=f"sandbox-{proc.pid}", daemon=True).start()
 
 
 def _kill_spawned(spawning: asyncio.Future[tuple[subprocess.Popen[bytes], bool]]) -> None:
@@ -343,7 +350,7 @@ def _kill_spawned(spawning: asyncio.Future[tuple[subprocess.Popen[bytes], bool]]
     proc = spawning.result()[0]
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    threading.Thread(target=proc.wait, name=f"sandbox-{proc.pid}", daemon=True).start()
+    _reap_later(proc)
 
 
 async def _destroyed(proc: subprocess.Popen[bytes]) -> None:

@@ -579,6 +579,9 @@ class Switches:
                 self._tear_down_unconnected(unconnected),
                 self._confirmed_elsewhere([s["id"] for s in live if s["id"] not in here
                                            and s["id"] not in unconnected], bound_s))
+        if told_meanwhile and self.runner is not None:  # their grace, as any told daemon's
+            self.runner.tear_down([unconnected[s] for s in told_meanwhile],
+                                  {unconnected[s] for s in told_meanwhile})
         told_last, torn_last = (await self._second_line(told_meanwhile, bound_s)
                                 if told_meanwhile else ([], []))
         report.kill_delivered += [*late, *told_meanwhile]
