@@ -239,16 +239,18 @@ def report_files(report_dir: Path, name: str) -> dict[str, str]:
     base = report_dir / f"{name}-{stamp}"
     samples = base.with_name(base.name + "-samples")
     samples.mkdir(parents=True)
-    return {"csv_prefix": str(base), "csv": f"{base}_stats.csv", "html": f"{base}.html",
-            "summary": f"{base}.json", "samples": str(samples),
+    return {**locust_files(str(base)), "summary": f"{base}.json", "samples": str(samples)}
+
+
+def locust_files(base: str) -> dict[str, str]:
+    """One Locust process's files, named after `base`: its CSV, HTML and log."""
+    return {"csv_prefix": base, "csv": f"{base}_stats.csv", "html": f"{base}.html",
             "locust_log": f"{base}.locust.log"}
 
 
 def killer_files(files: dict[str, str]) -> dict[str, str]:
     """The killers' own Locust files, beside the operators' (their samples are shared)."""
-    base = files["csv_prefix"] + "-killers"
-    return {"csv_prefix": base, "csv": f"{base}_stats.csv", "html": f"{base}.html",
-            "locust_log": f"{base}.locust.log"}
+    return locust_files(files["csv_prefix"] + "-killers")
 
 
 def run_stats(files: dict[str, str]) -> list[dict[str, str]]:
