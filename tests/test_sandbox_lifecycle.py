@@ -424,9 +424,7 @@ async def test_no_process_sandbox_starts_once_its_provider_is_closed(tmp_path: P
     provider = ProcessProvider([sys.executable, "-c", "import time; time.sleep(30)"],
                                tmp_path / "logs")
     await provider.close()
-    sandbox_id = uuid.uuid4()
-    spec = SandboxSpec(sandbox_id=sandbox_id, agent_id=uuid.uuid4(), session_id=uuid.uuid4(),
-                       home=tmp_path / "home", env={"COVEY_SANDBOX_ID": str(sandbox_id)})
+    spec = _spec(tmp_path)
     with pytest.raises(RuntimeError, match="shutting down"):
         await provider.start(spec)
     assert _left_of(str(spec.sandbox_id)) == [], "a sandbox started after the close"
