@@ -517,6 +517,16 @@ class Switches:
         # statement of a transaction (its BEGIN and COMMIT too) is a round trip that waits
         # its turn on the plane's event loop: five of them were most of the answer's time
         # beyond the daemon's acknowledgement (benchmarks.kill_latency).
+        #
+        # Its commit does not wait for the WAL to reach the disk (synchronous_commit off for
+        # this transaction only: `settled`); the flag's, which the kill's safety rests on,
+        # always does. The answer waited for that flush and then for a CPU: the backend slept
+        # on the disk, and on waking found the vCPU taken by the killed daemon's exit (2-3
+        # ms of kernel work that nothing preempts on these hosts; perf sched). What a server
+        # crash in the next moment could undo is redone: the next synchronous commit (the
+        # daemon's confirmation follows within milliseconds) flushes it with its own, and
+        # work still in progress under the cancelled session is requeued by the orphan
+        # sweep (Orchestrator.requeue_orphaned_work).
         n = len(among_args)
         session_of = {s["agent_id"]: s["id"] for s in live}
 
@@ -533,9 +543,12 @@ class Switches:
                            jsonb_build_object('scope', ${n + 2}::text,
                                               'requeued', (SELECT count(*) FROM moved))
                     FROM unnest(${n + 3}::uuid[], ${n + 4}::uuid[]) AS x(a, s)
+                ), settled AS (
+                    SELECT set_config('synchronous_commit', 'off', true) AS commit
                 )
                 SELECT 'evicted' AS what, id, agent_id, node FROM evicted
                 UNION ALL SELECT 'requeued', id, NULL, NULL FROM moved
+                UNION ALL SELECT 'settled', NULL, NULL, commit FROM settled
                 """,
                 *among_args, f"{scope} kill-switch", scope, touched,
                 [session_of.get(a) for a in touched])

@@ -693,3 +693,30 @@ async def test_a_kill_whose_requeue_fails_is_still_on_the_log(
     killed = [e for e in logs if e.get("event") == "audit" and e.get("action") == "agent.kill"
               and e.get("target") == agent["id"]]
     assert len(killed) == 1, f"the committed kill's audit line: {killed} (all: {logs})"
+
+
+async def test_the_requeues_quick_commit_leaves_every_switch_connection_synchronous(
+        world: World) -> None:
+    """The kill's requeue commits without waiting for the WAL to reach the disk
+    (synchronous_commit off for its own transaction). That must end with it: the next kill's
+    flag runs on the same pooled connections, and a flag committed without its flush could
+    be undone by a crash after its `kill` went out, the agent free to run again."""
+    agent = await world.agent()
+    task_id = uuid.uuid4()
+    await world.db.execute(
+        "INSERT INTO backlog_tasks (id, org_id, agent_id, title, body, origin, state)"
+        " VALUES ($1, $2, $3, 't', 'hold', 'api', 'in_progress')",
+        task_id, world.org.id, uuid.UUID(agent["id"]))
+    r = await world.security.post(f"/api/v1/agents/{agent['id']}/kill")
+    assert r.status_code == 200, r.text
+    assert r.json()["tasks_requeued"] == [str(task_id)], r.text
+
+    pool = world.plane.orch.switch_pool
+    held = [await pool.acquire() for _ in range(pool.get_max_size())]  # every one of them
+    try:
+        settings = [await conn.fetchval("SHOW synchronous_commit") for conn in held]
+    finally:
+        for conn in held:
+            await pool.release(conn)
+    assert settings == ["on"] * len(held), (
+        f"a switch connection kept the requeue's asynchronous commit: {settings}")
