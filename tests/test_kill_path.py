@@ -211,10 +211,15 @@ async def test_a_session_a_wake_commits_while_the_kill_waits_is_cancelled(
         await wake.execute(
             "INSERT INTO sandboxes (id, agent_id, backend, node) VALUES ($1, $2, 'process',"
             " 'a wake elsewhere')", sandbox_id, aid)
-        await wake.execute(  # seen an hour ago: no replica holds it, none to wait for
+        # Seen longer ago than a lease: no replica holds it, none to wait for. Not as long ago
+        # as the daemon timeout: seen an hour ago, it was once found stale and ended by a
+        # scheduler tick between the wake's commit and the kill's statement.
+        settings = world.plane.orch.settings
+        await wake.execute(
             "INSERT INTO sessions (id, agent_id, sandbox_id, node, state, last_seen_at)"
-            " VALUES ($1, $2, $3, 'a wake elsewhere', 'running', now() - interval '1 hour')",
-            session_id, aid, sandbox_id)
+            " VALUES ($1, $2, $3, 'a wake elsewhere', 'running',"
+            " now() - make_interval(secs => $4))", session_id, aid, sandbox_id,
+            (settings.lease_ms / 1000 + settings.daemon_timeout_s) / 2)
         path = f"/api/v1/agents/{aid}/kill" if switch == "agent" else "/api/v1/fleet/kill"
         kill = asyncio.create_task(world.security.post(path))
         await until_a_lock_is_waited_for(world, "%covey_flag_%",
