@@ -144,9 +144,9 @@ class DaemonHub:
         links = [link for s in session_ids if (link := self._killed.get(s)) is not None]
         wait = _StopWait(links)
         try:
-            # Awaited only when something is left to wait for, and without wait_for's task
-            # hops: each turn of the loop it waits for runs whatever else is ready first (a
-            # single kill's answer, its daemon's acknowledgement already in, waited 0.3 ms).
+            # Awaited only when something is left to wait for, and not through 3.11's
+            # wait_for (a task hop more): each turn of the loop runs whatever else is ready
+            # first (a single kill's answer, its acknowledgement already in, waited 0.3 ms).
             if not wait.done.done():
                 async with asyncio.timeout(timeout_s):
                     await wait.done

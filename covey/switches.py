@@ -518,15 +518,14 @@ class Switches:
         # its turn on the plane's event loop: five of them were most of the answer's time
         # beyond the daemon's acknowledgement (benchmarks.kill_latency).
         #
-        # Its commit does not wait for the WAL to reach the disk (synchronous_commit off for
-        # this transaction only: `settled`); the flag's, which the kill's safety rests on,
-        # always does. The answer waited for that flush and then for a CPU: the backend slept
-        # on the disk, and on waking found the vCPU taken by the killed daemon's exit (2-3
-        # ms of kernel work that nothing preempts on these hosts; perf sched). What a server
-        # crash in the next moment could undo is redone: the next synchronous commit (the
-        # daemon's confirmation follows within milliseconds) flushes it with its own, and
-        # work still in progress under the cancelled session is requeued by the orphan
-        # sweep (Orchestrator.requeue_orphaned_work).
+        # Its commit does not wait for the WAL flush (`settled`: synchronous_commit off for
+        # this transaction only; the flag's commit always waits). The answer waited for the
+        # flush, then for a CPU: the backend woke on the vCPU of the killed daemon's exit,
+        # 2-3 ms of kernel work nothing preempts here (perf sched). The next synchronous
+        # commit anywhere (the daemon's confirmation, milliseconds later) flushes it too.
+        # A crash before that loses the requeue: its tasks come back by the orphan sweep
+        # (Orchestrator.requeue_orphaned_work, after its grace), the sandbox is torn down
+        # all the same (recorded gone, not evicted), the `kill` recording event is lost.
         n = len(among_args)
         session_of = {s["agent_id"]: s["id"] for s in live}
 
@@ -543,12 +542,12 @@ class Switches:
                            jsonb_build_object('scope', ${n + 2}::text,
                                               'requeued', (SELECT count(*) FROM moved))
                     FROM unnest(${n + 3}::uuid[], ${n + 4}::uuid[]) AS x(a, s)
-                ), settled AS (
-                    SELECT set_config('synchronous_commit', 'off', true) AS commit
+                ), settled AS (  -- read below: a CTE nobody reads is not run
+                    SELECT set_config('synchronous_commit', 'off', true) AS synchronous_commit
                 )
                 SELECT 'evicted' AS what, id, agent_id, node FROM evicted
                 UNION ALL SELECT 'requeued', id, NULL, NULL FROM moved
-                UNION ALL SELECT 'settled', NULL, NULL, commit FROM settled
+                UNION ALL SELECT 'settled', NULL, NULL, synchronous_commit FROM settled
                 """,
                 *among_args, f"{scope} kill-switch", scope, touched,
                 [session_of.get(a) for a in touched])
@@ -568,7 +567,7 @@ class Switches:
 
     async def _await_stopped(self, live: list[asyncpg.Record], evicted: list[asyncpg.Record],
                              report: KillReport) -> None:
-        """With the kill's connection back in the pool: the sandboxes' teardown, then the
+        """With the kill's connection handed back: the sandboxes' teardown, then the
         wait for the daemons' confirmations."""
         if self.runner is not None:
             await self.runner.discard_evicted(evicted)

@@ -717,8 +717,10 @@ async def test_the_requeues_quick_commit_leaves_every_switch_connection_synchron
     assert r.json()["tasks_requeued"] == [str(task_id)], r.text
 
     pool = world.plane.orch.switch_pool
-    held = [await pool.acquire() for _ in range(pool.get_max_size())]  # every one of them
+    held = []
     try:
+        for _ in range(pool.get_max_size()):  # every one of them
+            held.append(await pool.acquire())
         settings = [await conn.fetchval("SHOW synchronous_commit") for conn in held]
     finally:
         for conn in held:
