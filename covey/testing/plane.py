@@ -201,7 +201,38 @@ class World:
     async def wait_task(self, task_id: str, state: str, deadline_s: float = 20) -> None:
         async def reached() -> bool:
             return await self.task_state(task_id) == state
-        await until(reached, deadline_s, f"task {task_id} never became {state}")
+        try:
+            await until(reached, deadline_s, f"task {task_id} never became {state}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{await self.task_story(task_id)}") from None
+
+    async def task_story(self, task_id: str) -> str:
+        """Where a task and its agent stand, for a wait that ran out: the task's row and
+        transitions, the agent's sessions and sandboxes, and the end of each sandbox's log
+        (a rare failure is read from this, not rerun)."""
+        task = await self.db.fetchrow(
+            "SELECT agent_id, state, daemon_retries, claimed_by FROM backlog_tasks"
+            " WHERE id=$1", uuid.UUID(task_id))
+        if task is None:
+            return "no such task"
+        moves = await self.db.fetch(
+            "SELECT from_state, to_state, note, at FROM task_transitions WHERE task_id=$1"
+            " ORDER BY id", uuid.UUID(task_id))
+        sessions = await self.db.fetch(
+            "SELECT id, sandbox_id, state, stop_reason, started_at, ended_at FROM sessions"
+            " WHERE agent_id=$1 ORDER BY started_at", task["agent_id"])
+        boxes = await self.db.fetch(
+            "SELECT id, state, exit_code, created_at, gone_at FROM sandboxes"
+            " WHERE agent_id=$1 ORDER BY created_at", task["agent_id"])
+        lines = [f"task: {dict(task)}", *(f"  moved: {dict(m)}" for m in moves),
+                 *(f"session: {dict(s)}" for s in sessions)]
+        for box in boxes:
+            lines.append(f"sandbox: {dict(box)}")
+            log = self.plane.data_dir / "logs" / f"{box['id']}.log"
+            if log.exists():
+                lines += [f"  log: {line}" for line in
+                          log.read_text(errors="replace").splitlines()[-5:]]
+        return "\n".join(lines)
 
     async def wait_working(self, agent_id: str, deadline_s: float = 20) -> None:
         async def working() -> bool:
