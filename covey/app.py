@@ -245,10 +245,10 @@ def create_app(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080,
             provider = DockerProvider(settings.sandbox_image, settings.daemon_command,
                                       settings.docker_network,
                                       {"covey.node": node, "covey.gameday": settings.gameday},
-                                      settings.data_dir / "logs",
+                                      settings.sandbox_log_dir,
                                       cpu_shares=settings.sandbox_cpu_shares)
         else:
-            provider = ProcessProvider(settings.daemon_command, settings.data_dir / "logs",
+            provider = ProcessProvider(settings.daemon_command, settings.sandbox_log_dir,
                                        make_cpu_group(settings.sandbox_cpu_group))
         orch.runner = Runner(pool, provider, settings.data_dir, node, settings.kill_grace_s,
                              orch.sandbox_exited, settings.warm_sync_s, settings.warm_idle_s)

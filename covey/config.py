@@ -112,6 +112,11 @@ class Settings:
     cookie_secure: str = "auto"
 
     @property
+    def sandbox_log_dir(self) -> Path:
+        """Where each sandbox's daemon output is kept, one `<sandbox id>.log` per sandbox."""
+        return self.data_dir / "logs"
+
+    @property
     def kill_ack_bound_s(self) -> float | None:
         """How long a daemon has to acknowledge a kill before the runner tears its sandbox
         down; None when the second line is off. Never more than half the lease: the second

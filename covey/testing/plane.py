@@ -228,7 +228,7 @@ class World:
                  *(f"session: {dict(s)}" for s in sessions)]
         for box in boxes:
             lines.append(f"sandbox: {dict(box)}")
-            log = self.plane.data_dir / "logs" / f"{box['id']}.log"
+            log = self.plane.orch.settings.sandbox_log_dir / f"{box['id']}.log"
             if log.exists():
                 lines += [f"  log: {line}" for line in
                           log.read_text(errors="replace").splitlines()[-5:]]
