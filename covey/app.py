@@ -118,12 +118,20 @@ class BodyLimit:
 
 
 async def _every(seconds: float, name: str, step: Callable[[], Awaitable[None]]) -> None:
-    """Run step on a fixed cadence; a failure is logged and the loop goes on."""
+    """Run step on a fixed cadence; a failure is logged and the loop goes on. Only the
+    loop's own cancellation (the plane's shutdown) ends it: a task the step awaits that was
+    cancelled on its own is one step's failure. The scheduler's tick awaits its wakes
+    through `asyncio.gather`, and a cancelled wake raised CancelledError into the tick: its
+    loop ended without a word, and no heartbeat, sweep or wake of open work came again (a
+    lifecycle test's task stayed open for a minute once a wake's start was cut)."""
     while True:
         try:
             await step()
         except asyncio.CancelledError:
-            raise
+            current = asyncio.current_task()
+            if current is None or current.cancelling():
+                raise
+            log.warning("loop step failed", loop=name, error="a task it awaited was cancelled")
         except Exception as exc:
             log.warning("loop step failed", loop=name, error=str(exc))
         await asyncio.sleep(seconds)
