@@ -430,14 +430,23 @@ async def test_no_process_sandbox_starts_once_its_provider_is_closed(tmp_path: P
     assert _left_of(str(spec.sandbox_id)) == [], "a sandbox started after the close"
 
 
+@pytest.mark.parametrize("waker", ["any", "tick"])
 async def test_a_start_that_fails_after_its_caller_is_cancelled_settles_its_session(
-        lworld: World, monkeypatch: pytest.MonkeyPatch) -> None:
+        lworld: World, monkeypatch: pytest.MonkeyPatch, waker: str) -> None:
     """The engine refuses a sandbox after the start's caller was cancelled: nobody was left
     to lose the session, which stayed `starting` (its agent busy, its task waiting) until
     the stale-session sweep a token's lifetime later. The runner settles it itself now, as a
-    lost daemon's, and the row of the sandbox that never ran ends."""
+    lost daemon's, and the row of the sandbox that never ran ends.
+
+    The caller is whichever wake came first (`any`: nearly always the task's NOTIFY), or
+    the scheduler's tick (`tick`: the NOTIFY's wake left out). Once in about a hundred runs
+    the tick came first, and the cancelled wake ended the scheduler's loop: the task, which
+    its session never claimed, waited for a wake that never came."""
     world = lworld
-    runner = world.plane.app.state.orchestrator.runner
+    orchestrator = world.plane.app.state.orchestrator
+    if waker == "tick":
+        monkeypatch.setattr(orchestrator, "wake_notified", lambda agent_id: None)
+    runner = orchestrator.runner
     provider_start = runner._provider.start
     callers = _record_start_callers(runner, monkeypatch)
     refused: list[str] = []
