@@ -152,6 +152,8 @@ class Orchestrator(Switches):
         # task that looks at them: see wake_notified.
         self._notified: dict[UUID, None] = {}
         self._notified_waking: asyncio.Task[None] | None = None
+        # Agents whose wake by the scheduler's tick is under way: see _wake_from_tick.
+        self._tick_waking: set[UUID] = set()
         # What working daemons say as they go (their tool events, their model costs), a
         # statement and a commit for all that arrive together, not each: an rm -rf fleet
         # of 20 said ~800 a second, each its own commit (a WAL flush) and its own turn for a
@@ -686,11 +688,27 @@ class Orchestrator(Switches):
                               AND s.state IN ('starting','running'))
             """
         )
-        ids = {r["agent_id"] for r in fired} | {r["id"] for r in waiting}
-        if ids:
-            await self.wake_many(sorted(ids), "tick")
+        for agent_id in sorted({r["agent_id"] for r in fired} | {r["id"] for r in waiting}):
+            self._wake_from_tick(agent_id)
         if self.runner is not None:
             await self.runner.maintain_parked(self.tell_idle_to_sleep)
+
+    def _wake_from_tick(self, agent_id: UUID) -> None:
+        """The tick's wake of an agent, in the background. A wake lasts until its sandbox
+        has started (a container's start takes seconds; an engine that hangs, as long as
+        it hangs), and a tick that awaited its wakes fired no heartbeat, swept no silent
+        daemon and woke no other agent meanwhile. An agent whose wake from an earlier tick
+        is still under way is left to it."""
+        if agent_id in self._tick_waking:
+            return
+        self._tick_waking.add(agent_id)
+
+        async def wake() -> None:
+            try:
+                await self.wake(agent_id, "tick")
+            finally:
+                self._tick_waking.discard(agent_id)
+        self.spawn(wake())
 
     async def settle_previous_life(self) -> list[UUID]:
         """At start, the sessions this node's previous life left live (same host and port:

@@ -474,6 +474,41 @@ async def test_a_start_that_fails_after_its_caller_is_cancelled_settles_its_sess
     await world.wait_task(task["id"], "done", deadline_s=60)
 
 
+async def test_a_start_that_hangs_holds_up_no_other_agents_wake_by_the_tick(
+        lworld: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler's tick awaited the wakes it made, each until its sandbox had started:
+    while the engine hung on one agent's container, no later tick ran, and no other agent
+    was woken, no heartbeat fired, no silent daemon swept. Only the tick wakes here (the
+    NOTIFY's wake is left out)."""
+    world = lworld
+    orchestrator = world.plane.app.state.orchestrator
+    monkeypatch.setattr(orchestrator, "wake_notified", lambda agent_id: None)
+    runner = orchestrator.runner
+    provider_start = runner._provider.start
+    stuck = await world.agent()
+    hung, answer = asyncio.Event(), asyncio.Event()
+
+    async def hangs_for_one(spec: Any) -> str:
+        if str(spec.agent_id) == stuck["id"]:
+            hung.set()
+            await answer.wait()
+        return str(await provider_start(spec))
+    monkeypatch.setattr(runner._provider, "start", hangs_for_one)
+    stuck_task = await world.task(stuck["id"], "model:well_behaved")
+    await asyncio.wait_for(hung.wait(), 30)
+
+    other = await world.agent()
+    task = await world.task(other["id"], "model:well_behaved")
+    try:
+        await world.wait_task(task["id"], "done", deadline_s=30)
+        assert not answer.is_set() and runner._starting, (
+            "the hung start was over before the other agent's task was done: the test "
+            "showed nothing")
+    finally:
+        answer.set()
+    await world.wait_task(stuck_task["id"], "done", deadline_s=30)
+
+
 async def test_a_start_in_flight_when_the_runner_closes_is_cut_and_its_caller_told(
         lworld: World, monkeypatch: pytest.MonkeyPatch) -> None:
     """The plane shuts down while the engine starts a sandbox (a container's start takes
