@@ -250,13 +250,20 @@ class Orchestrator(Switches):
                      and self.runner is not None and self.runner.holds(b["id"])
                      and b["session_id"] is not None
                      and self.hub.get(b["session_id"]) is not None), None)
-        evicted = [b for b in parked if warm is None or b["id"] != warm["id"]]
-        if evicted:
-            await conn.execute("UPDATE sandboxes SET state='evicted', ended_at=now()"
-                               " WHERE id = ANY($1::uuid[])", [b["id"] for b in evicted])
-        if warm is not None:
-            await conn.execute("UPDATE sandboxes SET state='running', parked_at=NULL"
-                               " WHERE id=$1", warm["id"])
+        # Each taken or evicted only if still parked: the runner's upkeep (maintain_parked,
+        # the tick's, beside its wakes) may have begun to put one to sleep meanwhile, and
+        # a session handed to a daemon told `sleep` is lost.
+        others = [b for b in parked if warm is None or b["id"] != warm["id"]]
+        gone = set(await conn.fetchval(
+            "WITH e AS (UPDATE sandboxes SET state='evicted', ended_at=now()"
+            " WHERE id = ANY($1::uuid[]) AND state='parked' RETURNING id)"
+            " SELECT COALESCE(array_agg(id), '{}') FROM e", [b["id"] for b in others])
+            if others else [])
+        evicted = [b for b in others if b["id"] in gone]
+        if warm is not None and await conn.fetchval(
+                "UPDATE sandboxes SET state='running', parked_at=NULL"
+                " WHERE id=$1 AND state='parked' RETURNING id", warm["id"]) is None:
+            warm = None
         return warm, evicted
 
     async def _hand_over(self, idle_session: UUID, session_id: UUID, sandbox_id: UUID
@@ -706,9 +713,13 @@ class Orchestrator(Switches):
         async def wake() -> None:
             try:
                 await self.wake(agent_id, "tick")
-            finally:
-                self._tick_waking.discard(agent_id)
-        self.spawn(wake())
+            except Exception as exc:
+                log.warning("wake failed", agent_id=str(agent_id), path="tick", error=str(exc))
+        task = asyncio.ensure_future(wake())
+        self._background.add(task)
+        # Whatever ends it (cancelled before its first step included).
+        task.add_done_callback(lambda _: self._tick_waking.discard(agent_id))
+        task.add_done_callback(self._settled)
 
     async def settle_previous_life(self) -> list[UUID]:
         """At start, the sessions this node's previous life left live (same host and port:
