@@ -117,22 +117,30 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+def _shutting_down() -> bool:
+    """Whether the running task is being cancelled."""
+    current = asyncio.current_task()
+    return current is None or current.cancelling() > 0
+
+
 async def _every(seconds: float, name: str, step: Callable[[], Awaitable[None]]) -> None:
     """Run step on a fixed cadence; a failure is logged and the loop goes on. Only the
-    loop's own cancellation (the plane's shutdown) ends it: a task the step awaits that was
-    cancelled on its own is one step's failure. The scheduler's tick awaits its wakes
-    through `asyncio.gather`, and a cancelled wake raised CancelledError into the tick: its
-    loop ended without a word, and no heartbeat, sweep or wake of open work came again (a
-    lifecycle test's task stayed open for a minute once a wake's start was cut)."""
+    loop's own cancellation (the plane's shutdown) ends it, whatever a step makes of it: a
+    task the step awaits that was cancelled on its own is one step's failure. The
+    scheduler's tick once awaited its wakes through `asyncio.gather`, and a cancelled wake
+    raised CancelledError into the tick: its loop ended without a word, and no heartbeat,
+    sweep or wake of open work came again (a lifecycle test's task stayed open for a
+    minute once a wake's start was cut)."""
     while True:
         try:
             await step()
         except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if current is None or current.cancelling():
+            if _shutting_down():
                 raise
             log.warning("loop step failed", loop=name, error="a task it awaited was cancelled")
         except Exception as exc:
+            if _shutting_down():  # the cancellation, turned into an error on its way out
+                raise asyncio.CancelledError() from exc
             log.warning("loop step failed", loop=name, error=str(exc))
         await asyncio.sleep(seconds)
 

@@ -57,3 +57,23 @@ async def test_the_loops_own_cancellation_during_a_step_ends_it() -> None:
     done, _ = await asyncio.wait([loop], timeout=10)
     assert done and loop.cancelled(), "the plane's shutdown did not end its loop"
     assert steps == 1, f"the loop ran {steps} steps after it was cancelled"
+
+
+async def test_the_loops_cancellation_turned_into_an_error_by_a_step_still_ends_it() -> None:
+    """A step may turn its cancellation into an error of its own on the way out (a
+    rollback that fails as the connection is cut): the shutdown must end the loop all the
+    same, or the plane's close waits for it for ever."""
+    in_step = asyncio.Event()
+
+    async def step() -> None:
+        in_step.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            raise RuntimeError("the rollback failed as the connection was cut") from None
+
+    loop = asyncio.create_task(_every(0, "tick", step))
+    await asyncio.wait_for(in_step.wait(), 10)
+    loop.cancel()
+    done, _ = await asyncio.wait([loop], timeout=10)
+    assert done and loop.cancelled(), "a step's error swallowed the plane's shutdown"

@@ -440,8 +440,10 @@ async def test_a_start_that_fails_after_its_caller_is_cancelled_settles_its_sess
 
     The caller is whichever wake came first (`any`: nearly always the task's NOTIFY), or
     the scheduler's tick (`tick`: the NOTIFY's wake left out). Once in about a hundred runs
-    the tick came first, and the cancelled wake ended the scheduler's loop: the task, which
-    its session never claimed, waited for a wake that never came."""
+    the tick came first, and the cancelled wake, which the tick then awaited, ended the
+    scheduler's loop: the task, which its session never claimed, waited for a wake that
+    never came. The tick's wakes run in the background now (tests/test_every.py holds the
+    loop to going on whatever a step's tasks do)."""
     world = lworld
     orchestrator = world.plane.app.state.orchestrator
     if waker == "tick":
@@ -500,13 +502,13 @@ async def test_a_start_that_hangs_holds_up_no_other_agents_wake_by_the_tick(
     other = await world.agent()
     task = await world.task(other["id"], "model:well_behaved")
     try:
-        await world.wait_task(task["id"], "done", deadline_s=30)
+        await world.wait_task(task["id"], "done", deadline_s=60)
         assert not answer.is_set() and runner._starting, (
             "the hung start was over before the other agent's task was done: the test "
             "showed nothing")
     finally:
         answer.set()
-    await world.wait_task(stuck_task["id"], "done", deadline_s=30)
+    await world.wait_task(stuck_task["id"], "done", deadline_s=60)
 
 
 async def test_a_start_in_flight_when_the_runner_closes_is_cut_and_its_caller_told(
