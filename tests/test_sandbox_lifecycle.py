@@ -140,6 +140,56 @@ async def test_a_warm_sandbox_stays_up_between_sessions_and_a_kill_tears_it_down
     assert _home_file(world, agent["id"], "notes.txt") == "step one\n"
 
 
+class _Undo(Exception):
+    """Rolls a test's transaction back."""
+
+
+class _UpkeepBetween:
+    """The wake's connection, on which the runner's upkeep begins to put the parked sandbox
+    to sleep (maintain_parked's UPDATE, committed on a connection of its own) right after
+    the wake has read it as parked."""
+
+    def __init__(self, conn: Any, pool: Any, sandbox_id: uuid.UUID) -> None:
+        self._conn, self._pool, self._sandbox_id = conn, pool, sandbox_id
+
+    async def fetch(self, *args: Any) -> Any:
+        rows = await self._conn.fetch(*args)
+        await self._pool.execute("UPDATE sandboxes SET state='starting' WHERE id=$1"
+                                 " AND state='parked'", self._sandbox_id)
+        return rows
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+async def test_a_wake_leaves_a_parked_sandbox_the_upkeep_began_to_put_to_sleep(
+        lworld: World) -> None:
+    """A wake read the agent's parked sandbox, then set it running by its id alone: had the
+    upkeep (the tick's maintain_parked) begun to put it to sleep meanwhile, the new session
+    went to a daemon told `sleep`, and was lost. It takes the sandbox only while parked."""
+    world = lworld
+    orchestrator = world.plane.app.state.orchestrator
+    agent = await world.agent(warm_sandbox=True)
+    task = await world.task(agent["id"], "model:well_behaved")
+    await world.wait_task(task["id"], "done")
+    parked = await _wait_state(world, agent["id"], "parked")
+    sandbox_id = uuid.UUID(parked["id"])
+    async with world.db.acquire() as conn:
+        try:
+            async with conn.transaction():
+                warm, evicted = await orchestrator._take_parked(
+                    _UpkeepBetween(conn, world.db, sandbox_id), uuid.UUID(agent["id"]))
+                state = await conn.fetchval("SELECT state FROM sandboxes WHERE id=$1",
+                                            sandbox_id)
+                raise _Undo  # the wake's transaction, rolled back: only the answer counts
+        except _Undo:
+            pass
+    assert warm is None and evicted == [], (
+        f"the wake took the sandbox the upkeep was putting to sleep: {warm}, {evicted}")
+    assert state == "starting", f"the wake changed the sleeping sandbox's state to {state}"
+    await world.db.execute("UPDATE sandboxes SET state='parked' WHERE id=$1", sandbox_id)
+
+
 async def test_a_sandbox_is_gone_only_once_what_its_daemon_started_is_gone(
         lworld: World, model: tuple[str, Puppet]) -> None:
     """The shell tool runs each command in a session of its own: a process a command leaves
