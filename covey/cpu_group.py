@@ -68,6 +68,18 @@ class CpuGroup:
             pending.extend(children(current))
         return joined
 
+    def lift(self, tid: int) -> bool:
+        """Move one thread out of the group into the plane's own CPU cgroup (its parent):
+        a killed agent's daemon's, whose acknowledgement is due (ProcessProvider.hasten).
+        Only cgroup v1 moves a single thread (its `tasks`); a v2 hierarchy moves threads
+        only between threaded groups, and is left alone. The kernel's migration waits (about
+        12 ms once, on the plane's loop): never called from the loop. Whether it moved."""
+        try:
+            (self.path.parent / "tasks").write_text(f"{tid}\n")
+        except OSError:  # v2, a thread gone (the daemon exited first), a move refused
+            return False
+        return True
+
     def remove(self) -> None:
         """Remove the group once the plane stops; only an empty group can go, and one that
         still holds a sandbox is left for the next plane's `sweep` to remove."""

@@ -4,6 +4,7 @@ lifecycle (DESIGN §2.5). Backends only start, watch and destroy; the runner dec
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import itertools
@@ -90,6 +91,11 @@ PROCESS_BASE_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHO
 SANDBOX_MARKER = "COVEY_SANDBOX_ID"
 REMOVE_DEADLINE_S = 10.0
 HASTENED_NICE = -10  # a killed agent's daemon, among the sandboxes at work (hasten)
+# A kill that stops at most this many daemons also lifts those still running this long
+# after it out of the sandboxes' CPU group (hasten); a fleet's, outside it, would outweigh
+# the control plane.
+LIFTED_AT_MOST = 4
+LIFT_AFTER_S = 0.01
 SETTLE_AT_ONCE = 8  # a previous life's sandboxes torn down side by side
 PASS_REST = 4.0  # after a pass over the process table, rest this many times as long,
 PASS_REST_MAX_S = 0.25  # but never longer: a removal retries within REMOVE_DEADLINE_S
@@ -214,6 +220,10 @@ class ProcessProvider:
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._markers: dict[str, bytes] = {}
         self._grouped: set[str] = set()  # the daemons that joined the CPU group (hasten)
+        # Where hasten's moves out of the group wait for the kernel: a thread of their own,
+        # not the shared pool, where a kill's move would queue behind the sandboxes' starts.
+        self._lifting = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="covey-lift")
         self._table = ProcessTable()
         self._closed = False
 
@@ -285,13 +295,37 @@ class ProcessProvider:
         daemon's main thread, which reads the channel; its tools keep theirs. Only for a
         daemon that joined the group, whose share of the machine does not change: a fleet
         kill's thousand daemons outside it (no group, or a move refused) would outweigh the
-        control plane. A syscall each, never a wait
-        (moving the daemon out of the group blocked the plane's loop 12 ms); refused
-        (no CAP_SYS_NICE) it changes nothing."""
+        control plane. A syscall each, never a wait; refused (no CAP_SYS_NICE) it changes
+        nothing.
+
+        A kill of a few daemons (LIFTED_AT_MOST) also lifts those still running after
+        LIFT_AFTER_S out of the group, their main threads into the plane's own CPU cgroup:
+        within the group, nice -10 still left the killed daemon a part of the group's share,
+        which the busy sandboxes hold down on a saturated host (its `kill_ack` p99 158-221 ms
+        with 200 operators). Lifted, it weighs as one session of its own beside the plane's,
+        Postgres's and the others (its nice counts only within its own session there). The
+        move waits for the kernel (a migration holds up every fork and exit meanwhile), so
+        it is made by a thread of its own, and only for a daemon the CPU held back: made at
+        once, it cost a quiet host's kill 0.1x the floor to its daemon and 0.4x to its
+        answer (kill_latency), where the daemon is gone within a few milliseconds."""
+        grouped = []
         for handle in handles:
             if handle in self._grouped:  # running: `wait` forgets it with its exit
                 with contextlib.suppress(OSError):
                     os.setpriority(os.PRIO_PROCESS, int(handle), HASTENED_NICE)
+                grouped.append(handle)
+        if self._cpu_group is not None and 0 < len(grouped) <= LIFTED_AT_MOST:
+            asyncio.get_running_loop().call_later(LIFT_AFTER_S, self._lift, grouped)
+
+    def _lift(self, handles: list[str]) -> None:
+        """Lift those of these daemons still running out of the sandboxes' CPU group (see
+        hasten), from the lifting thread."""
+        group = self._cpu_group
+        if group is None or self._closed:
+            return
+        for handle in handles:
+            if handle in self._grouped:  # a daemon's main thread's id is its pid
+                self._lifting.submit(group.lift, int(handle))
 
     async def destroy(self, handle: str) -> None:
         proc = self._procs.get(handle)
@@ -304,6 +338,7 @@ class ProcessProvider:
         self._closed = True
         for handle in list(self._procs):
             await self.destroy(handle)
+        self._lifting.shutdown(wait=False, cancel_futures=True)
         if self._cpu_group is not None:
             self._cpu_group.remove()
 

@@ -32,7 +32,13 @@ from covey.cpu_group import (
     sweep,
 )
 from covey.hub import DaemonHub, DaemonLink
-from covey.sandbox import HASTENED_NICE, ProcessProvider, SandboxSpec
+from covey.sandbox import (
+    HASTENED_NICE,
+    LIFT_AFTER_S,
+    LIFTED_AT_MOST,
+    ProcessProvider,
+    SandboxSpec,
+)
 from harness.stack.waiting import eventually
 
 V1 = """12:cpu,cpuacct:/machine/a
@@ -85,6 +91,11 @@ def the_cpu_group() -> CpuGroup:
     return group
 
 
+def threads_move(group: CpuGroup) -> bool:
+    """Whether the hierarchy moves a single thread (cgroup v1's `tasks`)."""
+    return (group.path.parent / "tasks").exists()
+
+
 @contextlib.asynccontextmanager
 async def sandbox_with_a_tool(tmp_path: Path, group: CpuGroup | None
                               ) -> AsyncIterator[tuple[ProcessProvider, str, int]]:
@@ -125,15 +136,45 @@ async def test_a_sandbox_and_its_children_share_the_plane_s_cpu_group(tmp_path: 
 
 async def test_a_killed_agent_s_daemon_is_hastened_and_its_tools_are_not(
         tmp_path: Path) -> None:
+    """Reniced within the group at once, and its main thread lifted out of the group into
+    the plane's own CPU cgroup by a thread of its own; its tool keeps its place and its
+    priority."""
     group = the_cpu_group()
+    if not threads_move(group):
+        pytest.skip("cgroup v2: a single thread is not moved between groups")
+    plane_cgroup = cpu_cgroup_of(os.getpid())
     async with sandbox_with_a_tool(tmp_path, group) as (provider, handle, tool):
         provider.hasten([handle])
         assert os.getpriority(os.PRIO_PROCESS, int(handle)) == HASTENED_NICE, \
             "the killed agent's daemon kept the priority of the sandboxes at work"
         assert os.getpriority(os.PRIO_PROCESS, tool) == os.getpriority(os.PRIO_PROCESS, 0), \
             "the killed agent's tool was hastened with its daemon"
+
+        async def lifted() -> bool | None:
+            return cpu_cgroup_of(int(handle)) == plane_cgroup or None
+        await eventually(lifted, 10, "the killed agent's daemon was not lifted out of the "
+                                     "sandboxes' CPU group")
+        assert cpu_cgroup_of(tool).endswith(group.path.name), \
+            "the killed agent's tool left the sandboxes' CPU group with its daemon"
+    await provider.close()
+
+
+async def test_a_kill_of_many_daemons_lifts_none_out_of_the_group(tmp_path: Path) -> None:
+    """Lifted out of the group, a fleet's daemons would each weigh as much as the plane's
+    session: past LIFTED_AT_MOST, they stay in the group, reniced within it."""
+    group = the_cpu_group()
+    async with sandbox_with_a_tool(tmp_path, group) as (provider, handle, _):
+        # Other daemons of the same kill: grouped, already gone (their renice is refused).
+        others = [str(2**22 + n) for n in range(LIFTED_AT_MOST)]
+        provider._grouped.update(others)
+        provider.hasten([handle, *others])
+        assert os.getpriority(os.PRIO_PROCESS, int(handle)) == HASTENED_NICE
+        # A lift would be due by then (a timer of the same delay set earlier fires first),
+        # and have run once the lifting thread answers after it.
+        await asyncio.sleep(LIFT_AFTER_S)
+        await asyncio.wrap_future(provider._lifting.submit(lambda: None))
         assert cpu_cgroup_of(int(handle)).endswith(group.path.name), \
-            "the hastened daemon left the sandboxes' CPU group"
+            "a daemon of a kill of many was lifted out of the sandboxes' CPU group"
     await provider.close()
 
 
