@@ -68,15 +68,20 @@ class CpuGroup:
             pending.extend(children(current))
         return joined
 
+    @property
+    def moves_threads(self) -> bool:
+        """Whether a single thread can be lifted out of the group (`lift`): cgroup v1's
+        `tasks`. A v2 hierarchy moves threads only between threaded groups."""
+        return (self.path.parent / "tasks").exists()
+
     def lift(self, tid: int) -> bool:
         """Move one thread out of the group into the plane's own CPU cgroup (its parent):
         a killed agent's daemon's, whose acknowledgement is due (ProcessProvider.hasten).
-        Only cgroup v1 moves a single thread (its `tasks`); a v2 hierarchy moves threads
-        only between threaded groups, and is left alone. The kernel's migration waits (about
-        12 ms once, on the plane's loop): never called from the loop. Whether it moved."""
+        The kernel's migration waits (about 12 ms once, on the plane's loop): never called
+        from the loop. Whether it moved."""
         try:
             (self.path.parent / "tasks").write_text(f"{tid}\n")
-        except OSError:  # v2, a thread gone (the daemon exited first), a move refused
+        except OSError:  # a thread gone (the daemon exited first), a move refused
             return False
         return True
 

@@ -91,9 +91,9 @@ PROCESS_BASE_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHO
 SANDBOX_MARKER = "COVEY_SANDBOX_ID"
 REMOVE_DEADLINE_S = 10.0
 HASTENED_NICE = -10  # a killed agent's daemon, among the sandboxes at work (hasten)
-# A kill that stops at most this many daemons also lifts those still running this long
-# after it out of the sandboxes' CPU group (hasten); a fleet's, outside it, would outweigh
-# the control plane.
+# At most this many killed daemons are lifted out of the sandboxes' CPU group at once,
+# those still running this long after their kill (hasten); a fleet's, outside it, would
+# outweigh the control plane.
 LIFTED_AT_MOST = 4
 LIFT_AFTER_S = 0.01
 SETTLE_AT_ONCE = 8  # a previous life's sandboxes torn down side by side
@@ -220,6 +220,7 @@ class ProcessProvider:
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._markers: dict[str, bytes] = {}
         self._grouped: set[str] = set()  # the daemons that joined the CPU group (hasten)
+        self._lifted: set[str] = set()  # of those, the ones lifted out of it since (hasten)
         # Where hasten's moves out of the group wait for the kernel: a thread of their own,
         # not the shared pool, where a kill's move would queue behind the sandboxes' starts.
         self._lifting = concurrent.futures.ThreadPoolExecutor(
@@ -267,6 +268,7 @@ class ProcessProvider:
         exit_ = await _exit_of(proc)
         self._procs.pop(handle, None)
         self._grouped.discard(handle)
+        self._lifted.discard(handle)
         return exit_
 
     async def remove(self, handle: str) -> None:
@@ -298,34 +300,43 @@ class ProcessProvider:
         control plane. A syscall each, never a wait; refused (no CAP_SYS_NICE) it changes
         nothing.
 
-        A kill of a few daemons (LIFTED_AT_MOST) also lifts those still running after
-        LIFT_AFTER_S out of the group, their main threads into the plane's own CPU cgroup:
-        within the group, nice -10 still left the killed daemon a part of the group's share,
-        which the busy sandboxes hold down on a saturated host (its `kill_ack` p99 158-221 ms
-        with 200 operators). Lifted, it weighs as one session of its own beside the plane's,
-        Postgres's and the others (its nice counts only within its own session there). The
-        move waits for the kernel (a migration holds up every fork and exit meanwhile), so
-        it is made by a thread of its own, and only for a daemon the CPU held back: made at
-        once, it cost a quiet host's kill 0.1x the floor to its daemon and 0.4x to its
-        answer (kill_latency), where the daemon is gone within a few milliseconds."""
+        A kill of a few daemons also lifts those still running after LIFT_AFTER_S out of
+        the group (cgroup v1), their main threads into the plane's own CPU cgroup, at most
+        LIFTED_AT_MOST at a time: within the group, nice -10 still left the killed daemon a
+        part of the group's share, which the busy sandboxes hold down on a saturated host
+        (its `kill_ack` p99 158-221 ms with 200 operators). Lifted, at nice 0, it weighs as
+        one session of its own beside the plane's, Postgres's and the others where
+        autogroups apply, and as one of the plane's own threads where they do not. The move
+        waits for the kernel (a migration holds up every fork and exit meanwhile), so it is
+        made by a thread of its own, 10 ms late: made at once, it cost a quiet host's kill
+        0.4x the floor on its answer (kill_latency), where the daemon is gone by then."""
         grouped = []
         for handle in handles:
             if handle in self._grouped:  # running: `wait` forgets it with its exit
                 with contextlib.suppress(OSError):
                     os.setpriority(os.PRIO_PROCESS, int(handle), HASTENED_NICE)
                 grouped.append(handle)
-        if self._cpu_group is not None and 0 < len(grouped) <= LIFTED_AT_MOST:
+        group = self._cpu_group
+        if group is not None and grouped and group.moves_threads:
             asyncio.get_running_loop().call_later(LIFT_AFTER_S, self._lift, grouped)
 
     def _lift(self, handles: list[str]) -> None:
         """Lift those of these daemons still running out of the sandboxes' CPU group (see
-        hasten), from the lifting thread."""
+        hasten), from the lifting thread, while fewer than LIFTED_AT_MOST are lifted."""
         group = self._cpu_group
         if group is None or self._closed:
             return
         for handle in handles:
-            if handle in self._grouped:  # a daemon's main thread's id is its pid
-                self._lifting.submit(group.lift, int(handle))
+            if handle in self._grouped and len(self._lifted) < LIFTED_AT_MOST:
+                self._lifted.add(handle)
+                self._lifting.submit(self._lift_one, group, handle)
+
+    def _lift_one(self, group: CpuGroup, handle: str) -> None:
+        """On the lifting thread. Looked at again first: a daemon that has exited since may
+        have been reaped, and its pid taken by another process."""
+        if handle in self._grouped and group.lift(int(handle)):  # its main thread's id
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, int(handle), 0)
 
     async def destroy(self, handle: str) -> None:
         proc = self._procs.get(handle)

@@ -136,45 +136,59 @@ async def test_a_sandbox_and_its_children_share_the_plane_s_cpu_group(tmp_path: 
 
 async def test_a_killed_agent_s_daemon_is_hastened_and_its_tools_are_not(
         tmp_path: Path) -> None:
-    """Reniced within the group at once, and its main thread lifted out of the group into
-    the plane's own CPU cgroup by a thread of its own; its tool keeps its place and its
-    priority."""
+    """Reniced within the group at once; its main thread then lifted out of the group into
+    the plane's own CPU cgroup by a thread of its own, at nice 0 there. Its tool keeps its
+    place and its priority."""
     group = the_cpu_group()
-    if not threads_move(group):
+    if not group.moves_threads:
         pytest.skip("cgroup v2: a single thread is not moved between groups")
     plane_cgroup = cpu_cgroup_of(os.getpid())
+    own_nice = os.getpriority(os.PRIO_PROCESS, 0)
     async with sandbox_with_a_tool(tmp_path, group) as (provider, handle, tool):
         provider.hasten([handle])
         assert os.getpriority(os.PRIO_PROCESS, int(handle)) == HASTENED_NICE, \
             "the killed agent's daemon kept the priority of the sandboxes at work"
-        assert os.getpriority(os.PRIO_PROCESS, tool) == os.getpriority(os.PRIO_PROCESS, 0), \
-            "the killed agent's tool was hastened with its daemon"
 
         async def lifted() -> bool | None:
             return cpu_cgroup_of(int(handle)) == plane_cgroup or None
         await eventually(lifted, 10, "the killed agent's daemon was not lifted out of the "
                                      "sandboxes' CPU group")
+
+        async def at_nice_0() -> bool | None:
+            return os.getpriority(os.PRIO_PROCESS, int(handle)) == 0 or None
+        await eventually(at_nice_0, 10, "the lifted daemon kept nice -10 outside the group, "
+                                        "where it would outweigh the plane's threads")
         assert cpu_cgroup_of(tool).endswith(group.path.name), \
             "the killed agent's tool left the sandboxes' CPU group with its daemon"
+        assert os.getpriority(os.PRIO_PROCESS, tool) == own_nice, \
+            "the killed agent's tool was hastened with its daemon"
     await provider.close()
 
 
-async def test_a_kill_of_many_daemons_lifts_none_out_of_the_group(tmp_path: Path) -> None:
-    """Lifted out of the group, a fleet's daemons would each weigh as much as the plane's
-    session: past LIFTED_AT_MOST, they stay in the group, reniced within it."""
+async def test_no_more_than_a_few_killed_daemons_are_lifted_at_once(tmp_path: Path) -> None:
+    """Lifted out of the group, a fleet's daemons would together outweigh the control
+    plane: past LIFTED_AT_MOST lifted at once, a killed daemon stays in the group, reniced
+    within it."""
     group = the_cpu_group()
+    if not group.moves_threads:
+        pytest.skip("cgroup v2: a single thread is not moved between groups")
     async with sandbox_with_a_tool(tmp_path, group) as (provider, handle, _):
-        # Other daemons of the same kill: grouped, already gone (their renice is refused).
-        others = [str(2**22 + n) for n in range(LIFTED_AT_MOST)]
-        provider._grouped.update(others)
-        provider.hasten([handle, *others])
+        # Daemons of earlier kills, lifted and still exiting.
+        provider._lifted.update(str(2**22 + n) for n in range(LIFTED_AT_MOST))
+        provider.hasten([handle])
         assert os.getpriority(os.PRIO_PROCESS, int(handle)) == HASTENED_NICE
         # A lift would be due by then (a timer of the same delay set earlier fires first),
         # and have run once the lifting thread answers after it.
         await asyncio.sleep(LIFT_AFTER_S)
         await asyncio.wrap_future(provider._lifting.submit(lambda: None))
         assert cpu_cgroup_of(int(handle)).endswith(group.path.name), \
-            "a daemon of a kill of many was lifted out of the sandboxes' CPU group"
+            f"a daemon was lifted with {LIFTED_AT_MOST} lifted already"
+        provider._lifted.clear()  # they exited: the next kill's daemon is lifted
+        provider.hasten([handle])
+        await asyncio.sleep(LIFT_AFTER_S)
+        await asyncio.wrap_future(provider._lifting.submit(lambda: None))
+        assert not cpu_cgroup_of(int(handle)).endswith(group.path.name), \
+            "a killed daemon was not lifted with none lifted"
     await provider.close()
 
 
