@@ -225,6 +225,7 @@ class ProcessProvider:
         # not the shared pool, where a kill's move would queue behind the sandboxes' starts.
         self._lifting = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="covey-lift")
+        self._lifts = cpu_group is not None and cpu_group.moves_threads  # looked at once
         self._table = ProcessTable()
         self._closed = False
 
@@ -300,8 +301,8 @@ class ProcessProvider:
         control plane. A syscall each, never a wait; refused (no CAP_SYS_NICE) it changes
         nothing.
 
-        A kill of a few daemons also lifts those still running after LIFT_AFTER_S out of
-        the group (cgroup v1), their main threads into the plane's own CPU cgroup, at most
+        A killed daemon still running after LIFT_AFTER_S is also lifted out of the group
+        (cgroup v1), its main thread into the plane's own CPU cgroup, at most
         LIFTED_AT_MOST at a time: within the group, nice -10 still left the killed daemon a
         part of the group's share, which the busy sandboxes hold down on a saturated host
         (its `kill_ack` p99 158-221 ms with 200 operators). Lifted, at nice 0, it weighs as
@@ -316,8 +317,7 @@ class ProcessProvider:
                 with contextlib.suppress(OSError):
                     os.setpriority(os.PRIO_PROCESS, int(handle), HASTENED_NICE)
                 grouped.append(handle)
-        group = self._cpu_group
-        if group is not None and grouped and group.moves_threads:
+        if grouped and self._lifts:
             asyncio.get_running_loop().call_later(LIFT_AFTER_S, self._lift, grouped)
 
     def _lift(self, handles: list[str]) -> None:
