@@ -151,7 +151,7 @@ class Orchestrator(Switches):
         # Agents named by covey_wake NOTIFYs not yet looked at (in arrival order), and the
         # task that looks at them: see wake_notified.
         self._notified: dict[UUID, None] = {}
-        self._notified_waking: asyncio.Task[None] | None = None
+        self._notified_waking: asyncio.Future[Any] | None = None
         # Agents whose wake by the scheduler's tick is under way: see _wake_from_tick.
         self._tick_waking: set[UUID] = set()
         # What working daemons say as they go (their tool events, their model costs), a
@@ -254,11 +254,10 @@ class Orchestrator(Switches):
         # the tick's, beside its wakes) may have begun to put one to sleep meanwhile, and
         # a session handed to a daemon told `sleep` is lost.
         others = [b for b in parked if warm is None or b["id"] != warm["id"]]
-        gone = set(await conn.fetchval(
-            "WITH e AS (UPDATE sandboxes SET state='evicted', ended_at=now()"
-            " WHERE id = ANY($1::uuid[]) AND state='parked' RETURNING id)"
-            " SELECT COALESCE(array_agg(id), '{}') FROM e", [b["id"] for b in others])
-            if others else [])
+        gone = {r["id"] for r in await conn.fetch(
+            "UPDATE sandboxes SET state='evicted', ended_at=now()"
+            " WHERE id = ANY($1::uuid[]) AND state='parked' RETURNING id",
+            [b["id"] for b in others])} if others else set()
         evicted = [b for b in others if b["id"] in gone]
         if warm is not None and await conn.fetchval(
                 "UPDATE sandboxes SET state='running', parked_at=NULL"
@@ -325,9 +324,7 @@ class Orchestrator(Switches):
         beside the kill's confirmations, only to be refused one by one."""
         self._notified[agent_id] = None
         if self._notified_waking is None:
-            self._notified_waking = asyncio.ensure_future(self._wake_notified())
-            self._background.add(self._notified_waking)
-            self._notified_waking.add_done_callback(self._settled)
+            self._notified_waking = self.spawn(self._wake_notified())
 
     async def _wake_notified(self) -> None:
         try:
@@ -715,11 +712,8 @@ class Orchestrator(Switches):
                 await self.wake(agent_id, "tick")
             except Exception as exc:
                 log.warning("wake failed", agent_id=str(agent_id), path="tick", error=str(exc))
-        task = asyncio.ensure_future(wake())
-        self._background.add(task)
         # Whatever ends it (cancelled before its first step included).
-        task.add_done_callback(lambda _: self._tick_waking.discard(agent_id))
-        task.add_done_callback(self._settled)
+        self.spawn(wake()).add_done_callback(lambda _: self._tick_waking.discard(agent_id))
 
     async def settle_previous_life(self) -> list[UUID]:
         """At start, the sessions this node's previous life left live (same host and port:
@@ -805,10 +799,11 @@ class Orchestrator(Switches):
                                              "stopped": list(r["stopped"])})
             for r in rows))
 
-    def spawn(self, coro: Awaitable[Any]) -> None:
+    def spawn(self, coro: Awaitable[Any]) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._settled)
+        return task
 
     def _settled(self, task: asyncio.Task[Any]) -> None:
         self._background.discard(task)
