@@ -27,6 +27,9 @@ SHELL_TIMEOUT_MAX_S = 120.0
 # hold the daemon's acknowledgement for ever.
 CUT_DEADLINE_S = 1.0
 CUT_PASS_PAUSE_S = 0.002
+# A process the cut has SIGKILLed runs at the highest priority there is (`_die_first`): it
+# can no longer act, and the acknowledgement waits for its death.
+DYING_NICE = -20
 PR_SET_CHILD_SUBREAPER = 36
 
 SCHEMAS: list[dict[str, Any]] = [
@@ -226,14 +229,22 @@ def _kill_group(pid: int) -> None:
 
 
 def _die_first(which: int, who: int) -> None:
-    """Give processes just SIGKILLed this daemon's own CPU priority: a killed process still
-    has to run to die, and the daemon's acknowledgement waits for that. The control plane
-    raises a killed agent's daemon above the sandboxes at work (ProcessProvider.hasten), not
-    its tools; under 200 operators' load the dying shell of a cut call waited up to 75 ms
-    among twenty busy sandboxes. Only after the SIGKILL: a living tool must not gain. Takes
-    the privilege the plane's own raise took (CAP_SYS_NICE); refused, nothing changes."""
+    """Give processes just SIGKILLed the highest CPU priority (DYING_NICE): a killed process
+    still has to run to die, and the daemon's acknowledgement waits for that. Under 200
+    operators' load the dying shell of a cut call waited up to 75 ms among twenty busy
+    sandboxes. Only after the SIGKILL: a living tool must not gain, and a dying one takes
+    no step of its own any more, only the kernel's work of its exit.
+
+    Not the daemon's own priority, as it was: the control plane lowers a killed daemon it
+    has lifted out of the sandboxes' CPU group back to nice 0 (ProcessProvider.hasten), and
+    each later pass of the cut then gave the processes still dying nice 0 again, among the
+    busy sandboxes; cuts waited up to 134 ms (30 passes) for a shell to die there.
+
+    Where sandboxes share a CPU group (covey/cpu_group.py), this weighs only within it.
+    Takes the privilege the plane's own raise took (CAP_SYS_NICE); refused, nothing
+    changes."""
     with contextlib.suppress(OSError):
-        os.setpriority(which, who, os.getpriority(os.PRIO_PROCESS, 0))
+        os.setpriority(which, who, DYING_NICE)
 
 
 def become_subreaper() -> bool:
