@@ -26,12 +26,13 @@ from pathlib import Path
 
 import structlog
 
+from covey.cgroup_paths import PREFIX, own_cgroup
+
 log = structlog.get_logger("covey.cpu_group")
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 AUTOGROUP = Path("/proc/self/autogroup")
 AUTOGROUP_ENABLED = Path("/proc/sys/kernel/sched_autogroup_enabled")
-PREFIX = "covey-sandboxes-"
 
 
 @dataclass(frozen=True)
@@ -104,20 +105,6 @@ def children(pid: int) -> list[int]:
         with contextlib.suppress(OSError, ValueError):
             found += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
     return found
-
-
-def own_cgroup(controller: str, proc_cgroup: str) -> tuple[str, bool] | None:
-    """This process's cgroup path for `controller` from /proc/self/cgroup's text, and
-    whether it is the unified (v2) hierarchy's."""
-    unified: str | None = None
-    for line in proc_cgroup.splitlines():
-        number, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if number == "0" and controllers == "":
-            unified = path
-        elif controller in controllers.split(","):
-            return path, False
-    return (unified, True) if unified is not None else None
 
 
 def sweep(parent: Path) -> None:

@@ -305,8 +305,8 @@ class ProcessProvider:
 
         A killed daemon still running after LIFT_AFTER_S is also lifted out of the group
         (cgroup v1), its main thread into the plane's own CPU cgroup, at most
-        LIFTED_AT_MOST at a time: within the group, nice -10 still left the killed daemon a
-        part of the group's share, which the busy sandboxes hold down on a saturated host
+        LIFTED_AT_MOST at a time: within the group, a raised daemon still had only a part
+        of the group's share, which the busy sandboxes hold down on a saturated host
         (its `kill_ack` p99 158-221 ms with 200 operators). Lifted, at nice 0, it weighs as
         one session of its own beside the plane's, Postgres's and the others where
         autogroups apply, and as one of the plane's own threads where they do not. The move
@@ -315,7 +315,9 @@ class ProcessProvider:
         0.4x the floor on its answer (kill_latency), where the daemon is gone by then."""
         grouped = []
         for handle in handles:
-            if handle in self._grouped:  # running: `wait` forgets it with its exit
+            # Running (`wait` forgets it with its exit), and not lifted already: outside the
+            # group a second kill's raise would weigh against the plane.
+            if handle in self._grouped and handle not in self._lifted:
                 with contextlib.suppress(OSError):
                     os.setpriority(os.PRIO_PROCESS, int(handle), HASTENED_NICE)
                 grouped.append(handle)
@@ -335,10 +337,18 @@ class ProcessProvider:
 
     def _lift_one(self, group: CpuGroup, handle: str) -> None:
         """On the lifting thread. Looked at again first: a daemon that has exited since may
-        have been reaped, and its pid taken by another process."""
-        if handle in self._grouped and group.lift(int(handle)):  # its main thread's id
+        have been reaped, and its pid taken by another process. Put back at nice 0 before
+        the move, not after it: moved first, it ran at HASTENED_NICE beside the plane's
+        threads until this thread, at nice 0 among them, came to its next step. A move
+        refused leaves it in the group, raised again."""
+        if handle not in self._grouped:
+            return
+        thread = int(handle)  # its main thread's id
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, thread, 0)
+        if not group.lift(thread) and handle in self._grouped:  # not gone meanwhile
             with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, int(handle), 0)
+                os.setpriority(os.PRIO_PROCESS, thread, HASTENED_NICE)
 
     async def destroy(self, handle: str) -> None:
         proc = self._procs.get(handle)

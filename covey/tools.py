@@ -19,6 +19,8 @@ from typing import Any
 
 import httpx
 
+from covey.cgroup_paths import in_a_sandbox_group
+
 OUTPUT_CAP = 16_000
 FILE_CAP = 64_000
 SHELL_TIMEOUT_MAX_S = 120.0
@@ -27,8 +29,8 @@ SHELL_TIMEOUT_MAX_S = 120.0
 # hold the daemon's acknowledgement for ever.
 CUT_DEADLINE_S = 1.0
 CUT_PASS_PAUSE_S = 0.002
-# A process the cut has SIGKILLed runs at the highest priority there is (`_die_first`): it
-# can no longer act, and the acknowledgement waits for its death.
+# A process the cut has SIGKILLed, in the sandboxes' CPU group, runs at the highest priority
+# there is (`_die_first`): it can no longer act, and the acknowledgement waits for its death.
 DYING_NICE = -20
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -143,7 +145,7 @@ class Toolbox:
                 for pid in alive:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(pid, signal.SIGKILL)
-                        _die_first(os.PRIO_PROCESS, pid)
+                        _die_first(pid)
                 killed.update(alive)
                 await asyncio.sleep(CUT_PASS_PAUSE_S)
         if running is not None and running.pid is not None:
@@ -225,26 +227,32 @@ class Toolbox:
 def _kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-        _die_first(os.PRIO_PGRP, pid)
+        # The group's leader alone: another process of the session may have joined the
+        # group since the SIGKILL, alive. The cut's passes take the others one by one.
+        _die_first(pid)
 
 
-def _die_first(which: int, who: int) -> None:
-    """Give processes just SIGKILLed the highest CPU priority (DYING_NICE): a killed process
-    still has to run to die, and the daemon's acknowledgement waits for that. Under 200
-    operators' load the dying shell of a cut call waited up to 75 ms among twenty busy
-    sandboxes. Only after the SIGKILL: a living tool must not gain, and a dying one takes
-    no step of its own any more, only the kernel's work of its exit.
+def _die_first(pid: int) -> None:
+    """Raise a process just SIGKILLed (its main thread): a killed process still has to run
+    to die, and the daemon's acknowledgement waits for that. Under 200 operators' load the
+    dying shell of a cut call waited up to 75 ms among twenty busy sandboxes. Only after
+    the SIGKILL: a living tool must not gain, and a dying one takes no step of its own any
+    more, only the kernel's work of its exit.
 
-    Not the daemon's own priority, as it was: the control plane lowers a killed daemon it
-    has lifted out of the sandboxes' CPU group back to nice 0 (ProcessProvider.hasten), and
-    each later pass of the cut then gave the processes still dying nice 0 again, among the
-    busy sandboxes; cuts waited up to 134 ms (30 passes) for a shell to die there.
+    In a control plane's sandbox CPU group (covey/cpu_group.py), to the highest priority
+    (DYING_NICE), which weighs only within the group. It was the daemon's own, but the
+    plane puts a killed daemon it lifts out of the group back at nice 0
+    (ProcessProvider.hasten), and each later pass of the cut then gave the processes still
+    dying nice 0 again, among the busy sandboxes: one cut waited 136 ms, in 30 passes, for
+    a shell to die. Outside such a group the daemon's own priority, as before: there a
+    fleet kill's hundreds of dying processes at -20 would outweigh the control plane.
 
-    Where sandboxes share a CPU group (covey/cpu_group.py), this weighs only within it.
     Takes the privilege the plane's own raise took (CAP_SYS_NICE); refused, nothing
     changes."""
     with contextlib.suppress(OSError):
-        os.setpriority(which, who, DYING_NICE)
+        nice = (DYING_NICE if in_a_sandbox_group(pid)
+                else os.getpriority(os.PRIO_PROCESS, 0))
+        os.setpriority(os.PRIO_PROCESS, pid, nice)
 
 
 def become_subreaper() -> bool:

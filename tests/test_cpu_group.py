@@ -11,23 +11,22 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
 
+from covey.cgroup_paths import PREFIX, in_a_sandbox_group, own_cgroup
 from covey.config import ConfigError, Settings
 from covey.coveyd import STEP_ASIDE_NICE, in_a_crowd
 from covey.cpu_group import (
     AUTOGROUP_ENABLED,
-    PREFIX,
     CpuGroup,
     autogroup_refusal,
     children,
     make_cpu_group,
-    own_cgroup,
     raise_plane_priority,
     sweep,
 )
@@ -156,7 +155,7 @@ async def test_a_killed_agent_s_daemon_is_hastened_and_its_tools_are_not(
 
         async def at_nice_0() -> bool | None:
             return os.getpriority(os.PRIO_PROCESS, int(handle)) == 0 or None
-        await eventually(at_nice_0, 10, "the lifted daemon kept nice -10 outside the group, "
+        await eventually(at_nice_0, 10, "the lifted daemon kept its raise outside the group, "
                                         "where it would outweigh the plane's threads")
         assert cpu_cgroup_of(tool).endswith(group.path.name), \
             "the killed agent's tool left the sandboxes' CPU group with its daemon"
@@ -194,7 +193,7 @@ async def test_no_more_than_a_few_killed_daemons_are_lifted_at_once(tmp_path: Pa
 
 async def test_a_daemon_outside_the_group_is_not_hastened(tmp_path: Path) -> None:
     """Outside the sandboxes' group a hastened daemon would weigh against the control plane
-    itself: a fleet kill's thousand at nice -10 would outweigh it."""
+    itself: a fleet kill's thousand raised would outweigh it."""
     async with sandbox_with_a_tool(tmp_path, None) as (provider, handle, _):
         before = os.getpriority(os.PRIO_PROCESS, int(handle))
         provider.hasten([handle])
@@ -335,14 +334,84 @@ def test_the_plane_nice_setting_takes_a_nice_value_or_off() -> None:
             Settings.from_env({"COVEY_PLANE_NICE": bad})
 
 
-def test_a_daemon_whose_kill_is_confirmed_steps_aside_for_the_others() -> None:
+@pytest.mark.parametrize("raised", [False, True])
+def test_a_daemon_whose_kill_is_confirmed_steps_aside_for_the_others(raised: bool) -> None:
+    """Raised by the plane (`hasten`) or not, it ends at STEP_ASIDE_NICE: a raised daemon
+    that added 10 to its -20 ended at -10, above the sandboxes at work."""
+    if raised and not may_lower_nice():
+        pytest.skip("lowering a nice value takes CAP_SYS_NICE")
     # In its own process: a nice value cannot be raised back.
-    probe = "import os; from covey.coveyd import step_aside; step_aside(); print(os.nice(0))"
+    probe = ("import os; from covey.coveyd import step_aside; "
+             f"os.setpriority(os.PRIO_PROCESS, 0, {HASTENED_NICE if raised else 0}); "
+             "step_aside(); print(os.nice(0))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=60, check=True)
-    assert int(done.stdout) >= STEP_ASIDE_NICE, \
+    assert int(done.stdout) == STEP_ASIDE_NICE, \
         f"a killed daemon exits at nice {done.stdout.strip()}, not below the sandboxes " \
         "still to read their kill"
+
+
+def may_lower_nice() -> bool:
+    """Whether this process may lower a nice value (CAP_SYS_NICE: root alone is not enough,
+    a container's root lacks it by default)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) & 1 << 23)
+    return False
+
+
+@contextlib.contextmanager
+def struck_process() -> Iterator[int]:
+    """A process as the cut leaves it between its SIGKILL and its death, held there: stopped
+    instead, so that its priority can still be read."""
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_process_the_cut_struck_dies_first_within_the_sandboxes_group() -> None:
+    """Within the group, whatever the daemon's own priority: the plane puts a killed daemon
+    it lifted out of the group back at nice 0, and each later pass of the cut gave the
+    processes still dying nice 0 again, among the busy sandboxes."""
+    from covey import tools
+
+    group = the_cpu_group()
+    if not may_lower_nice():
+        pytest.skip("lowering a nice value takes CAP_SYS_NICE")
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        with struck_process() as pid:
+            assert group.join(pid), "the struck process did not join the sandboxes' group"
+            for daemons in (HASTENED_NICE, 0):
+                os.setpriority(os.PRIO_PROCESS, 0, daemons)
+                tools._die_first(pid)
+                got = os.getpriority(os.PRIO_PROCESS, pid)
+                assert got == tools.DYING_NICE, (
+                    f"struck in the group at the daemon's nice {daemons}, the process runs at "
+                    f"{got}, not at {tools.DYING_NICE}")
+    finally:
+        os.setpriority(os.PRIO_PROCESS, 0, own)
+        group.remove()
+
+
+def test_outside_the_sandboxes_group_a_struck_process_takes_the_daemon_s_priority() -> None:
+    """Outside the group a fleet kill's hundreds of dying processes at -20 would outweigh
+    the control plane: there they take the daemon's own priority, as a daemon outside the
+    group is never raised."""
+    from covey import tools
+
+    if not may_lower_nice():
+        pytest.skip("lowering a nice value takes CAP_SYS_NICE")
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    with struck_process() as pid:
+        assert not in_a_sandbox_group(pid)
+        tools._die_first(pid)
+        assert os.getpriority(os.PRIO_PROCESS, pid) == own, \
+            "a struck process outside the sandboxes' group was raised above its daemon"
 
 
 class Frames:
