@@ -53,8 +53,11 @@ log = logging.getLogger("coveyd")
 EXIT_SLEEP, EXIT_ERROR, EXIT_TRIPPED, EXIT_KILLED = 0, 1, 2, 3
 # How long a stopping daemon waits for its cancelled run to end before it exits anyway.
 WORK_END_S = 1.0
-# The priority a daemon whose kill is confirmed takes for its exit, in a crowd (step_aside).
+# How far below the priority it started at a daemon whose kill is confirmed goes for its
+# exit, in a crowd (step_aside).
 STEP_ASIDE_NICE = 10
+# The priority this daemon started at, read as it is imported: before the plane can raise it.
+STARTED_NICE = os.getpriority(os.PRIO_PROCESS, 0)
 # The close codes with which the control plane refuses a daemon (covey.api.daemon: protocol
 # error, bad token, another sandbox's token): the daemon's own error, not the plane's loss.
 REFUSED = frozenset({4400, 4401, 4403})
@@ -727,9 +730,10 @@ def step_aside() -> None:
     exit would wait behind the fleet's working sandboxes for nothing (its exit p99 went
     from 0.2 s to 2.2 s with 19 busy beside it)."""
     with contextlib.suppress(OSError):
-        # Set, not added: a daemon the plane raised (-20, ProcessProvider.hasten) and not
-        # lifted out of the group would have ended at -10, above the sandboxes at work.
-        os.setpriority(os.PRIO_PROCESS, 0, STEP_ASIDE_NICE)
+        # From the priority it started at, not the one it has: a daemon the plane raised
+        # (-20, ProcessProvider.hasten) and not lifted out of the group ended at -10, above
+        # the sandboxes at work, which run at the priority they started at.
+        os.setpriority(os.PRIO_PROCESS, 0, min(19, STARTED_NICE + STEP_ASIDE_NICE))
 
 
 def main() -> None:

@@ -336,19 +336,27 @@ class ProcessProvider:
                 self._lifting.submit(self._lift_one, group, handle)
 
     def _lift_one(self, group: CpuGroup, handle: str) -> None:
-        """On the lifting thread. Looked at again first: a daemon that has exited since may
-        have been reaped, and its pid taken by another process. Put back at nice 0 before
-        the move, not after it: moved first, it ran at HASTENED_NICE beside the plane's
-        threads until this thread, at nice 0 among them, came to its next step. A move
-        refused leaves it in the group, raised again."""
-        if handle not in self._grouped:
+        """On the lifting thread. Looked at again first (`_unreaped`): a daemon that has
+        exited since may have been reaped, and its pid taken by another process. Put back
+        at nice 0 before the move, not after it: moved first, it ran at HASTENED_NICE
+        beside the plane's threads until this thread, at nice 0 among them, came to its
+        next step. A move refused leaves it in the group, raised again."""
+        if not self._unreaped(handle):
             return
         thread = int(handle)  # its main thread's id
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, thread, 0)
-        if not group.lift(thread) and handle in self._grouped:  # not gone meanwhile
+        if not group.lift(thread) and self._unreaped(handle):
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, thread, HASTENED_NICE)
+
+    def _unreaped(self, handle: str) -> bool:
+        """Whether the daemon still holds its pid: in the group, and not reaped. Its
+        Popen's return code is set as it is reaped, on another thread, while `wait` forgets
+        it in `_grouped` only later, on the loop: a pid freed in between may be another
+        process's by then."""
+        proc = self._procs.get(handle)
+        return handle in self._grouped and proc is not None and proc.returncode is None
 
     async def destroy(self, handle: str) -> None:
         proc = self._procs.get(handle)
