@@ -90,11 +90,6 @@ def the_cpu_group() -> CpuGroup:
     return group
 
 
-def threads_move(group: CpuGroup) -> bool:
-    """Whether the hierarchy moves a single thread (cgroup v1's `tasks`)."""
-    return (group.path.parent / "tasks").exists()
-
-
 @contextlib.asynccontextmanager
 async def sandbox_with_a_tool(tmp_path: Path, group: CpuGroup | None
                               ) -> AsyncIterator[tuple[ProcessProvider, str, int]]:

@@ -284,4 +284,3 @@ async def test_the_cut_finds_every_live_process_below_the_daemon(read: str) -> N
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
         await shell.wait()
-
